@@ -1,0 +1,47 @@
+"""Numerics core: every low-bit format as data, rounding onto its grid, scaling, (fake) quantization.
+
+Pure functions of tensors (torch only). See docs/formats.md.
+"""
+
+from .codec import decode, encode, pack, unpack
+from .quant import QuantizedTensor, dequantize, fake_quantize, quantize
+from .rounding import ROUNDINGS, round_to
+from .scaling import (
+    GroupScales,
+    check_divisible,
+    compute_scales,
+    group_amax,
+    group_scales,
+    grouped_shape,
+    scale_from_amax,
+)
+from .spec import SCALE_FORMATS, QuantSpec
+from .table import ALIASES, FORMATS, FloatFormat, Format, IntFormat, get_format
+
+__all__ = [
+    "ALIASES",
+    "FORMATS",
+    "ROUNDINGS",
+    "SCALE_FORMATS",
+    "FloatFormat",
+    "Format",
+    "GroupScales",
+    "IntFormat",
+    "QuantSpec",
+    "QuantizedTensor",
+    "check_divisible",
+    "compute_scales",
+    "decode",
+    "dequantize",
+    "encode",
+    "fake_quantize",
+    "get_format",
+    "group_amax",
+    "group_scales",
+    "grouped_shape",
+    "pack",
+    "quantize",
+    "round_to",
+    "scale_from_amax",
+    "unpack",
+]

@@ -1,0 +1,108 @@
+"""fake_quantize / quantize / dequantize of whole tensors under a QuantSpec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codec import decode, encode, pack, unpack
+from .rounding import round_to
+from .scaling import GroupScales, group_scales, grouped_shape
+from .spec import QuantSpec
+
+
+def _grouped(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, GroupScales]:
+    gshape, dims = grouped_shape(x.shape, spec)
+    xg = x.reshape(gshape).to(torch.float32)
+    return xg, group_scales(xg, spec, dims)
+
+
+def _round_scaled(xg: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, generator) -> torch.Tensor:
+    # Elements are divided by their group's dequant scale, then rounded onto the element grid.
+    v = xg if spec.scaling == "none" else xg / scale
+    return round_to(v, spec.elem, spec.rounding, spec.saturate, generator)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Quantize then dequantize: x's values as the low-bit format would carry them.
+
+    Args:
+        x: fp32 / bf16 / fp16 tensor; its shape must fit the spec (see ``check_divisible``).
+        spec: the recipe.
+        generator: random source for stochastic rounding.
+
+    Returns:
+        Tensor of x's shape and dtype: round(x / scale) * scale per group (computed in fp32).
+
+    Raises:
+        ValueError: the shape does not fit the spec.
+    """
+    xg, gs = _grouped(x, spec)
+    y = _round_scaled(xg, gs.scale, spec, generator)
+    if spec.scaling != "none":
+        y = y * gs.scale
+    return y.reshape(x.shape).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes + scales of a quantized tensor.
+
+    Attributes:
+        codes: uint8, flat; two codes per byte for formats of <= 4 bits (see ``codec.pack``), one per byte
+            otherwise (fp6 included).
+        scales: fp32 block scales (values on the scale format's grid), grouped keepdim shape.
+        tensor_scale: fp32 per-tensor scale of two-level scaling, else None.
+        spec: the recipe.
+        shape: original shape.
+        dtype: original dtype.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    spec: QuantSpec
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> QuantizedTensor:
+    """Quantize x to codes and scales; ``dequantize(quantize(x, s, g)) == fake_quantize(x, s, g)``.
+
+    Args:
+        x: fp32 / bf16 / fp16 tensor.
+        spec: the recipe.
+        generator: random source for stochastic rounding.
+
+    Returns:
+        A ``QuantizedTensor``.
+
+    Raises:
+        ValueError: the shape does not fit the spec.
+    """
+    xg, gs = _grouped(x, spec)
+    y = _round_scaled(xg, gs.scale, spec, generator)
+    codes = pack(encode(y, spec.elem), spec.elem.bits)
+    return QuantizedTensor(codes, gs.block_scale, gs.tensor_scale, spec, x.shape, x.dtype)
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """Values of a ``QuantizedTensor`` in its original shape and dtype.
+
+    Args:
+        q: the quantized tensor.
+
+    Returns:
+        codes decoded times (block scale * tensor scale), reshaped to ``q.shape``, cast to ``q.dtype``.
+    """
+    gshape, _ = grouped_shape(q.shape, q.spec)
+    fmt = q.spec.elem
+    y = decode(unpack(q.codes, fmt.bits, q.shape.numel()), fmt).reshape(gshape)
+    if q.spec.scaling != "none":
+        scale = q.scales if q.tensor_scale is None else q.scales * q.tensor_scale
+        y = y * scale
+    return y.reshape(q.shape).to(q.dtype)

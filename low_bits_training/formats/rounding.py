@@ -1,0 +1,129 @@
+"""Elementwise rounding of fp32 values onto a format's grid (no scaling).
+
+Numerics (all vectorised, fp32): for |x| in binade E = clamp(floor(log2|x|), emin, emax) the grid spacing is
+2**(E - mbits). ``v = |x| * 2**(mbits - E)`` is exact (a power-of-two product), the grid points are the
+integers, and rounding ``v`` to an integer is the whole job: ``torch.round`` (ties to even),
+``torch.trunc`` (toward zero) or ``floor(v) + (u < frac(v))`` (stochastic). ``floor(log2|x|)`` is read
+from the fp32 exponent field. Clamping E at emin gives the subnormal grid; clamping at emax sends
+everything above the top binade past ``max``, where the overflow rule takes over.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .table import FloatFormat, Format, IntFormat, get_format
+
+Rounding = Literal["nearest", "stochastic", "toward_zero"]
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "toward_zero")
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as fp32 for an int32 tensor k in [-126, 127], built from the exponent field (exact)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def exp2i(k: torch.Tensor) -> torch.Tensor:
+    """2**k as fp32 for int32 k in [-252, 254]: two exact normal factors (subnormal results stay exact)."""
+    half = k >> 1
+    return pow2(half) * pow2(k - half)
+
+
+def floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2(a)) for fp32 a >= 0 normal (int32); fp32 subnormals and 0 give -127, inf/NaN give 128."""
+    return (a.view(torch.int32) >> 23) - 127
+
+
+def _scale_pow2(a: torch.Tensor, k: torch.Tensor, split: bool) -> torch.Tensor:
+    # a * 2**k; with split, k may run to +-252 (two normal factors keep every product exact).
+    if not split:
+        return a * pow2(k)
+    half = k >> 1
+    return a * pow2(half) * pow2(k - half)  # not a * exp2i(k): 2**k alone may not fit in fp32
+
+
+def _round_int(v: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Round non-negative v to an integer-valued fp32 tensor."""
+    if rounding == "nearest":
+        return torch.round(v)  # round half to even
+    if rounding == "toward_zero":
+        return torch.trunc(v)
+    floor = torch.floor(v)
+    u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
+    return floor + (u < (v - floor)).to(torch.float32)  # v - floor is exact: P(up) = frac(v)
+
+
+def _needs_split(fmt: FloatFormat) -> bool:
+    return fmt.mbits - fmt.emin > 126 or fmt.mbits - fmt.emax < -126
+
+
+def _round_float_magnitude(a: torch.Tensor, fmt: FloatFormat, rounding: str, generator) -> torch.Tensor:
+    """Round |x| (fp32, >= 0, maybe inf/NaN) onto the grid of fmt, ignoring max (overflow handled later)."""
+    e = floor_log2(a).clamp_(fmt.emin, fmt.emax)
+    k = fmt.mbits - e
+    split = _needs_split(fmt)
+    r = _round_int(_scale_pow2(a, k, split), rounding, generator)
+    return _scale_pow2(r, -k, split)
+
+
+def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+    """Apply the overflow rule to a rounded magnitude y (NaN stays NaN)."""
+    if saturate or fmt.saturates_always:
+        return torch.clamp_max(y, fmt.max)  # clamp propagates NaN
+    over = torch.tensor(float("inf") if fmt.has_inf else float("nan"), device=y.device)
+    return torch.where(y > fmt.max, over, y)
+
+
+def _unsigned_fixups(y: torch.Tensor, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    # Unsigned scale formats: negatives are not representable (NaN, like ml_dtypes); e8m0 has no zero,
+    # so anything below its smallest value becomes 2**-127 (like torch's float8_e8m0fnu cast).
+    if not fmt.has_zero:
+        y = torch.clamp_min(y, fmt.min_normal)
+    return torch.where(x < 0, torch.tensor(float("nan"), device=y.device), y)
+
+
+def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool, generator=None):
+    """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule."""
+    if isinstance(fmt, IntFormat):
+        y = _round_int(a, rounding, generator)
+    else:
+        y = _round_float_magnitude(a, fmt, rounding, generator)
+    return _overflow(y, fmt, saturate)
+
+
+def round_to(
+    x: torch.Tensor,
+    fmt: str | Format,
+    rounding: Rounding = "nearest",
+    saturate: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Round every element of x to the nearest (or stochastically chosen) value of a format; no scaling.
+
+    Args:
+        x: fp32, bf16 or fp16 tensor (computed in fp32).
+        fmt: format name or object (see ``get_format``).
+        rounding: ``"nearest"`` (ties to even), ``"stochastic"`` (unbiased, P(up) = distance to the lower
+            neighbour / spacing, from ``torch.rand(generator=generator)``), ``"toward_zero"``.
+        saturate: overflow clamps to +-max; False: overflow (after rounding) gives inf where the format has
+            inf (e5m2, fp16, bf16), NaN where it has only NaN (e4m3, e8m0), and still clamps where it has
+            neither (fp6, fp4, int). NaN in gives NaN out; +-inf in gives +-max when saturating.
+        generator: random source for stochastic rounding (same generator state -> same result).
+
+    Returns:
+        Tensor of x's shape and dtype. For bf16/fp16 input the fp32 result is cast back (RNE): exact
+        for every format whose values the input dtype can hold (all formats with <= 7 mantissa bits for bf16).
+
+    Raises:
+        ValueError: unknown format or rounding.
+    """
+    fmt = get_format(fmt)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+    xf = x.to(torch.float32)
+    y = round_magnitude(xf.abs(), fmt, rounding, saturate, generator).copysign_(xf)
+    if not fmt.signed:
+        y = _unsigned_fixups(y.abs_(), xf, fmt)
+    return y.to(x.dtype)

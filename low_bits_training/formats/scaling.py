@@ -1,0 +1,162 @@
+"""Scales: which elements share one (grouping), and how a group's amax becomes a scale.
+
+Grouping is a reshape, never a copy: the tensor is viewed as ``grouped_shape`` and amax is taken over
+``reduce_dims`` with keepdim, so the scale tensor broadcasts against the grouped view.
+
+- tensor: shape unchanged, reduce all dims -> scale (1, ..., 1)
+- axis:   shape unchanged, reduce ``axis`` -> e.g. (M, 1) for a (M, K) tensor and axis=-1
+- block:  (..., N, ...) -> (..., N // bs, bs, ...) with the block dim right after ``axis`` -> (..., N//bs, 1, ...)
+- tile:   (..., M, N) -> (..., M // bs, bs, N // bs, bs) -> scale (..., M//bs, 1, N//bs, 1)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .rounding import exp2i, floor_log2, round_to
+from .spec import QuantSpec
+from .table import get_format
+
+
+def _axis(ndim: int, axis: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"QuantSpec.axis={axis} is out of range for a {ndim}-D tensor")
+    return axis % ndim
+
+
+def check_divisible(shape: tuple[int, ...] | torch.Size, spec: QuantSpec) -> None:
+    """Check that a tensor of ``shape`` can be grouped under ``spec``.
+
+    Raises:
+        ValueError: block_size does not divide the blocked dim (names block_size, the dim and its size),
+            "tile" on a tensor with fewer than 2 dims, or an axis out of range.
+    """
+    shape = tuple(shape)
+    dims: list[int] = []
+    if spec.scaling in ("axis", "block"):
+        a = _axis(len(shape), spec.axis)
+        dims = [a] if spec.scaling == "block" else []
+    elif spec.scaling == "tile":
+        if len(shape) < 2:
+            raise ValueError(f"QuantSpec.scaling='tile' needs a tensor with >= 2 dims, got shape {shape}")
+        dims = [len(shape) - 2, len(shape) - 1]
+    for d in dims:
+        if shape[d] % spec.block_size:
+            raise ValueError(
+                f"QuantSpec.block_size={spec.block_size} does not divide dim {d} of size {shape[d]} (shape {shape})"
+            )
+
+
+def grouped_shape(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The grouped view shape of a tensor and the dims a group's amax is reduced over (see module doc)."""
+    shape, bs = tuple(shape), spec.block_size
+    check_divisible(shape, spec)
+    if spec.scaling == "none":
+        return shape, ()
+    if spec.scaling == "tensor":
+        return shape, tuple(range(len(shape)))
+    if spec.scaling == "axis":
+        return shape, (_axis(len(shape), spec.axis),)
+    if spec.scaling == "block":
+        a = _axis(len(shape), spec.axis)
+        return (*shape[:a], shape[a] // bs, bs, *shape[a + 1 :]), (a + 1,)
+    m, n = shape[-2:]
+    return (*shape[:-2], m // bs, bs, n // bs, bs), (len(shape) - 1, len(shape) + 1)
+
+
+def group_amax(xg: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """amax of |x| over ``dims`` (keepdim), as fp32. NaN anywhere in a group gives NaN."""
+    if not dims:
+        return torch.ones((1,) * xg.dim(), dtype=torch.float32, device=xg.device)
+    return torch.amax(xg.abs(), dim=dims, keepdim=True).to(torch.float32)
+
+
+def _pow2_exponent(amax: torch.Tensor, spec: QuantSpec, max_elem: float, emax_elem: int) -> torch.Tensor:
+    """Exponent of the power-of-two scale for scale_rounding floor / ceil / rceil (int32)."""
+    if spec.scale_rounding == "rceil":  # round the fp32 quotient up to a power of two (cvt.rp.ue8m0)
+        d = amax / max_elem
+        return floor_log2(d) + ((d.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+    e = floor_log2(amax) - emax_elem  # OCP MX v1.0 sec. 6.3: floor(log2(amax)) - emax_elem
+    if spec.scale_rounding == "ceil":
+        e = e + ((amax.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+    return e
+
+
+def scale_from_amax(
+    amax: torch.Tensor, spec: QuantSpec, tensor_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The dequant scale (fp32, on ``spec.scale_format``'s grid) for each group amax.
+
+    Args:
+        amax: fp32 group amax (>= 0, maybe NaN/inf).
+        spec: the recipe (element format, scale_format, scale_rounding, margin).
+        tensor_scale: two-level scaling: the raw scale amax/max_elem is divided by this fp32 scale
+            before it is rounded to scale_format (NVFP4).
+
+    Returns:
+        fp32 scales of amax's shape; amax == 0 gives 1, NaN amax gives NaN.
+    """
+    elem, sfmt = spec.elem, get_format(spec.scale_format)
+    max_elem = elem.max
+    if spec.scale_rounding == "exact":
+        s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
+        if spec.margin:
+            s = s * 2.0**spec.margin
+        s = round_to(s, sfmt).clamp_min_(sfmt.min_subnormal)  # never a zero scale
+    else:
+        rel = amax if tensor_scale is None else amax / tensor_scale
+        e = _pow2_exponent(rel, spec, max_elem, elem.emax) + spec.margin
+        lo, hi = int(math.log2(sfmt.min_subnormal)), sfmt.emax
+        s = exp2i(e.clamp_(lo, hi))
+    s = torch.where(amax == 0, torch.ones((), device=s.device), s)
+    return torch.where(torch.isnan(amax), amax, s)
+
+
+class GroupScales(NamedTuple):
+    """Per-group statistics under a spec; all fp32, keepdim, broadcastable against the grouped view."""
+
+    amax: torch.Tensor
+    """amax of |x| per group."""
+    scale: torch.Tensor
+    """Effective dequant scale per group (block scale * tensor scale when two-level)."""
+    block_scale: torch.Tensor
+    """The stored scale per group (on scale_format's grid); equals ``scale`` without a tensor scale."""
+    tensor_scale: torch.Tensor | None
+    """The fp32 per-tensor scale of two-level scaling, else None."""
+
+
+def group_scales(xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...]) -> GroupScales:
+    """Scales of an already grouped tensor ``xg`` (see ``grouped_shape``)."""
+    amax = group_amax(xg, dims)
+    if spec.scaling == "none":
+        one = torch.ones_like(amax)
+        return GroupScales(amax, one, one, None)
+    if not spec.tensor_scale:
+        s = scale_from_amax(amax, spec)
+        return GroupScales(amax, s, s, None)
+    sfmt = get_format(spec.scale_format)
+    tamax = amax.amax()
+    ts = torch.where(tamax == 0, 1.0, tamax / (sfmt.max * spec.elem.max))
+    bs = scale_from_amax(amax, spec, tensor_scale=ts)
+    return GroupScales(amax, bs * ts, bs, ts)
+
+
+def compute_scales(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The dequant scale per group of x under spec (fp32).
+
+    Args:
+        x: the tensor to be quantized.
+        spec: the recipe.
+
+    Returns:
+        fp32 scales shaped like the grouped view with the group dims kept as 1 (see ``grouped_shape``):
+        ``x.view(grouped_shape(x.shape, spec)[0]) / scales`` is what gets rounded.
+
+    Raises:
+        ValueError: the shape does not fit the spec (see ``check_divisible``).
+    """
+    gshape, dims = grouped_shape(x.shape, spec)
+    return group_scales(x.reshape(gshape), spec, dims).scale

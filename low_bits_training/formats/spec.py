@@ -1,0 +1,142 @@
+"""QuantSpec: how one tensor is put onto a low-bit grid (element format, scaling, rounding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, get_args, get_type_hints
+
+from .table import get_format
+
+Scaling = Literal["none", "tensor", "axis", "block", "tile"]
+ScaleRounding = Literal["exact", "floor", "ceil", "rceil"]
+RoundingMode = Literal["nearest", "stochastic", "toward_zero"]
+SCALE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "e8m0", "ue4m3")
+_ROUNDING_LABEL = {"nearest": "rne", "stochastic": "sr", "toward_zero": "rtz"}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Quantization recipe for one tensor. Frozen; every field is validated at construction."""
+
+    format: str
+    """Element format name (see ``get_format``): "e4m3", "e2m1", "int8", "e3m4", ..."""
+    scaling: Scaling = "tensor"
+    """"none" (round the values as they are), "tensor" (one scale), "axis" (one scale per slice, shared
+    along ``axis``), "block" (1 x block_size groups along ``axis``), "tile" (block_size x block_size tiles
+    over the last two dims)."""
+    axis: int = -1
+    """For "axis": the dim reduced over (-1 on a 2-D tensor = one scale per row). For "block": the dim the
+    blocks run along."""
+    block_size: int = 32
+    """Group length for "block", tile side for "tile"."""
+    scale_format: str = "fp32"
+    """Format the scales are stored in: "fp32" | "bf16" | "e8m0" | "ue4m3"."""
+    scale_rounding: ScaleRounding = "exact"
+    """How amax becomes a scale: "exact" amax/max_elem rounded (RNE) to scale_format; "floor"
+    2**(floor(log2 amax) - emax_elem) (OCP MX v1.0 sec. 6.3); "ceil" 2**(ceil(log2 amax) - emax_elem);
+    "rceil" amax/max_elem rounded up to a power of two (NVIDIA cuBLAS / torchao RCEIL)."""
+    rounding: RoundingMode = "nearest"
+    """Element rounding: "nearest" (ties to even), "stochastic", "toward_zero"."""
+    saturate: bool = True
+    """Overflow clamps to +-max; False: the format's own inf/NaN behaviour (see ``round_to``)."""
+    margin: int = 0
+    """Extra power-of-two headroom: the scale is multiplied by 2**margin before it is rounded."""
+    tensor_scale: bool = False
+    """Two-level scaling (NVFP4): block scales are computed relative to an fp32 per-tensor scale
+    amax / (max_scale_format * max_elem) and stored in scale_format."""
+
+    def __post_init__(self) -> None:
+        get_format(self.format)  # raises the one-line unknown-format error
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            allowed = get_args(hints[f.name])
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ValueError(f"QuantSpec.{f.name}={getattr(self, f.name)!r} is not one of {allowed}")
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(f"QuantSpec.scale_format={self.scale_format!r} is not one of {SCALE_FORMATS}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"QuantSpec.block_size={self.block_size!r} must be a positive int")
+        if not isinstance(self.axis, int):
+            raise ValueError(f"QuantSpec.axis={self.axis!r} must be an int")
+        if not isinstance(self.margin, int) or abs(self.margin) > 64:
+            raise ValueError(f"QuantSpec.margin={self.margin!r} must be an int in [-64, 64]")
+        if not isinstance(self.saturate, bool) or not isinstance(self.tensor_scale, bool):
+            raise ValueError(
+                f"QuantSpec.saturate/tensor_scale={self.saturate!r}/{self.tensor_scale!r} must be bool"
+            )
+        if self.tensor_scale and self.scaling not in ("block", "tile", "axis"):
+            raise ValueError(
+                f"QuantSpec.tensor_scale=True needs scaling block/tile/axis, got {self.scaling!r}"
+            )
+
+    @property
+    def elem(self):
+        """The element format object."""
+        return get_format(self.format)
+
+    def short(self) -> str:
+        """Compact label, e.g. "e4m3/block32(e8m0,floor)/rne"."""
+        where = {
+            "none": "none",
+            "tensor": "tensor",
+            "axis": f"axis{self.axis}",
+            "block": f"block{self.block_size}" + (f"@{self.axis}" if self.axis != -1 else ""),
+            "tile": f"tile{self.block_size}x{self.block_size}",
+        }[self.scaling]
+        if self.scaling != "none":
+            extra = "+t32" if self.tensor_scale else ""
+            extra += f",m{self.margin}" if self.margin else ""
+            where += f"({self.scale_format},{self.scale_rounding}{extra})"
+        sat = "" if self.saturate else "/nosat"
+        return f"{self.elem.name}/{where}/{_ROUNDING_LABEL[self.rounding]}{sat}"
+
+    __str__ = short
+
+    # Convenience constructors for the recipes people name.
+    @classmethod
+    def mxfp8(cls, fmt: str = "e4m3", scale_rounding: ScaleRounding = "floor", **kw) -> QuantSpec:
+        """OCP MXFP8: 1x32 blocks, e8m0 scales."""
+        return cls(fmt, "block", block_size=32, scale_format="e8m0", scale_rounding=scale_rounding, **kw)
+
+    @classmethod
+    def mxfp6(cls, fmt: str = "e2m3", scale_rounding: ScaleRounding = "floor", **kw) -> QuantSpec:
+        """OCP MXFP6 (e2m3 or e3m2): 1x32 blocks, e8m0 scales."""
+        return cls.mxfp8(fmt, scale_rounding, **kw)
+
+    @classmethod
+    def mxfp4(cls, scale_rounding: ScaleRounding = "floor", **kw) -> QuantSpec:
+        """OCP MXFP4: e2m1 elements, 1x32 blocks, e8m0 scales."""
+        return cls.mxfp8("e2m1", scale_rounding, **kw)
+
+    @classmethod
+    def nvfp4(cls, **kw) -> QuantSpec:
+        """NVFP4: e2m1 elements, 1x16 blocks, ue4m3 scales under an fp32 per-tensor scale."""
+        return cls("e2m1", "block", block_size=16, scale_format="ue4m3", tensor_scale=True, **kw)
+
+    @classmethod
+    def fp8_tensorwise(cls, fmt: str = "e4m3", **kw) -> QuantSpec:
+        """One fp32 scale amax/max for the whole tensor (torchao Float8 "tensorwise")."""
+        return cls(fmt, "tensor", **kw)
+
+    @classmethod
+    def fp8_rowwise(cls, fmt: str = "e4m3", axis: int = -1, **kw) -> QuantSpec:
+        """One fp32 scale per row (reduced over ``axis``, the GEMM contraction dim)."""
+        return cls(fmt, "axis", axis=axis, **kw)
+
+    @classmethod
+    def deepseek_weight(cls, fmt: str = "e4m3", **kw) -> QuantSpec:
+        """DeepSeek-V3 weights: 128x128 tiles, fp32 scales."""
+        return cls(fmt, "tile", block_size=128, **kw)
+
+    @classmethod
+    def deepseek_act(cls, fmt: str = "e4m3", axis: int = -1, **kw) -> QuantSpec:
+        """DeepSeek-V3 activations: 1x128 blocks along ``axis``, fp32 scales."""
+        return cls(fmt, "block", axis=axis, block_size=128, **kw)
+
+    @classmethod
+    def int8_rowwise(cls, axis: int = -1, **kw) -> QuantSpec:
+        """Symmetric int8 (+-127), one fp32 scale per row."""
+        return cls("int8", "axis", axis=axis, **kw)
