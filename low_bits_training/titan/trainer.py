@@ -1,0 +1,31 @@
+"""The torchtitan ``Trainer`` with the sections low-bits-training adds to its config tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan.trainer import Trainer
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """``[job]``: where the config starts from and what the run is called."""
+
+    base: str = "llama3:llama3_debugmodel"
+    """Base config function, ``module:function``: a torchtitan model name (``llama3``), a dotted module with
+    a ``config_registry`` (or the module itself), and a function in it returning a ``Trainer.Config``."""
+
+    name: str = ""
+    """Run name. Sets ``dump_folder`` to ``outputs/<name>`` unless ``dump_folder`` is given."""
+
+    description: str = ""
+    """Free text, kept with the run."""
+
+
+class LowBitsTrainer(Trainer):
+    """torchtitan's Trainer; later sections (precision plan, numerics) hook in here."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        job: JobConfig = field(default_factory=JobConfig)
+        """``[job]``: base config and run name."""

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Train with a TOML precision plan on one machine (torchrun, c10d rendezvous).
+#
+#   ./run_llama_train.sh                                   # debug model on the built-in corpus (CPU is fine)
+#   CONFIG_FILE=train_configs/llama3_8b.toml NGPU=8 ./run_llama_train.sh
+#   ./run_llama_train.sh --training.steps 4                # extra arguments override the TOML
+#
+# Environment: CONFIG_FILE (default train_configs/debug_model.toml), NGPU (default: visible GPUs, or 1
+# process on CPU), LOG_RANK (default 0; comma list), PYTHON (interpreter; default: .venv, set up on first use),
+# LBT_SKIP_SETUP=1 (never create the .venv).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here"
+
+# Set ourselves up on a fresh machine: a .venv with the package installed (editable) and its pinned stack.
+source scripts/ensure_venv.sh
+
+CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+if [[ -z "${NGPU:-}" ]]; then
+  NGPU="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 1)')"
+fi
+LOG_RANK="${LOG_RANK:-0}"
+
+# On CPU each rank gets an equal share of the cores (gloo; no oversubscription).
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  cores="$(nproc 2>/dev/null || echo 1)"
+  export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
+fi
+export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m low_bits_training.titan.launch --config-file "$CONFIG_FILE" "$@"
