@@ -21,6 +21,7 @@ from typing import Any
 import tomli_w
 
 from low_bits_training.config.tree import ConfigError, apply_dict, diff, public_fields
+from low_bits_training.titan.metrics import LowBitsMetricsProcessor
 from low_bits_training.titan.trainer import JobConfig, LowBitsTrainer
 
 DEFAULT_BASE = JobConfig().base
@@ -57,13 +58,20 @@ def resolve_base(base: str) -> LowBitsTrainer.Config:
         cfg, _ = _config_manager()._load_config(["--module", module, "--config", fn])
     except (ValueError, ImportError) as e:
         raise ConfigError(f"job.base = {base!r}: {str(e).splitlines()[0]}") from None
-    if isinstance(cfg, LowBitsTrainer.Config):
-        return cfg
     from torchtitan.trainer import Trainer
 
     if not isinstance(cfg, Trainer.Config):
         raise ConfigError(f"job.base = {base!r}: returned {type(cfg).__name__}, not a Trainer.Config")
-    return LowBitsTrainer.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
+    cfg = upgrade(cfg, LowBitsTrainer.Config)
+    cfg.metrics = upgrade(cfg.metrics, LowBitsMetricsProcessor.Config)
+    return cfg
+
+
+def upgrade(cfg: Any, cls: type) -> Any:
+    """``cfg`` as an instance of its subclass ``cls`` (same field values, the subclass's extra defaults)."""
+    if isinstance(cfg, cls):
+        return cfg
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
 
 
 def _cli_base(args: list[str]) -> str | None:
