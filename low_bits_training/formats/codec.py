@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .rounding import exp2i, floor_log2
-from .table import FloatFormat, Format, IntFormat
+from .table import FloatFormat, Format, IntFormat, get_format
 
 
 def _encode_float(y: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -49,15 +49,17 @@ def _decode_float(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return v
 
 
-def encode(y: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Bit codes (uint8, one per element) of fp32 values that already lie on fmt's grid."""
+def encode(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """Bit codes (uint8, one per element) of fp32 values that already lie on fmt's grid (name or format)."""
+    fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
         return (y.nan_to_num(0.0).to(torch.int32) & (2**fmt.bits - 1)).to(torch.uint8)
     return _encode_float(y.to(torch.float32), fmt)
 
 
-def decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """fp32 values of uint8 bit codes (the inverse of ``encode``)."""
+def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """fp32 values of uint8 bit codes (the inverse of ``encode``; name or format)."""
+    fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
         half = 2 ** (fmt.bits - 1)
         return (((codes.to(torch.int32) & (2**fmt.bits - 1)) ^ half) - half).to(torch.float32)

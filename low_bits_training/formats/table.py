@@ -11,8 +11,10 @@ Special-value conventions (``specials``):
   holds normal numbers (OCP FP8 E4M3 "fn", e8m0, ue4m3).
 - ``"finite"``: no inf, no NaN; every code is a number (OCP MX v1.0 FP6 E3M2/E2M3, FP4 E2M1).
 
-Names ``eXmY`` that are not in the table are parsed with the rule (by exponent width, like OCP):
-X >= 5 -> "ieee", X == 4 -> "fn", X <= 3 -> "finite"; signed, bias 2**(X-1)-1, with subnormals.
+Names ``eXmY`` that are not in the table (e3m4, e2m5, e4m4, ...) are parsed as IEEE 754-like formats:
+signed, bias 2**(X-1)-1, subnormals, the all-ones exponent field reserved for inf/NaN. This is
+ml_dtypes' convention for its float8_e3m4 and float8_e4m3 (non-"fn"); the OCP-named formats in the table
+(e4m3 "fn", fp6, fp4) keep their own OCP conventions.
 """
 
 from __future__ import annotations
@@ -195,15 +197,14 @@ _EXMY = re.compile(r"^e(\d)m(\d{1,2})$")
 
 
 def _parse_exmy(name: str) -> FloatFormat | None:
-    """A generic signed ``eXmY`` (2 <= X <= 8, 1 <= Y <= 23) with the specials rule of the module docstring."""
+    """A generic signed IEEE-like ``eXmY`` (2 <= X <= 8, 1 <= Y <= 23), see the module docstring."""
     match = _EXMY.match(name)
     if match is None:
         return None
     ebits, mbits = int(match.group(1)), int(match.group(2))
     if not (2 <= ebits <= 8 and 1 <= mbits <= 23):
         return None
-    specials: Specials = "ieee" if ebits >= 5 else ("fn" if ebits == 4 else "finite")
-    return FloatFormat(name, ebits, mbits, specials)
+    return FloatFormat(name, ebits, mbits, "ieee")
 
 
 def get_format(name: str | Format) -> Format:
