@@ -3,7 +3,7 @@
 Pure functions of tensors (torch only). See docs/formats.md.
 """
 
-from .codec import decode, encode, pack, unpack
+from .codec import decode, encode, finite_grid_values, pack, unpack
 from .quant import QuantizedTensor, dequantize, fake_quantize, quantize
 from .rounding import ROUNDINGS, round_to
 from .scaling import (
@@ -35,6 +35,7 @@ __all__ = [
     "dequantize",
     "encode",
     "fake_quantize",
+    "finite_grid_values",
     "get_format",
     "group_amax",
     "group_scales",

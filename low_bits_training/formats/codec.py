@@ -83,3 +83,12 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits > 4:
         return packed[:numel]
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(-1)[:numel]
+
+
+def finite_grid_values(fmt: str | Format) -> list[float]:
+    """Sorted distinct finite values of a format of <= 16 bits (every code decoded)."""
+    fmt = get_format(fmt)
+    if isinstance(fmt, IntFormat):
+        return [float(v) for v in range(-int(fmt.max), int(fmt.max) + 1)]
+    vals = decode(torch.arange(fmt.n_codes, dtype=torch.int32), fmt)
+    return sorted(set(vals[torch.isfinite(vals)].tolist()))
