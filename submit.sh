@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Submit a training run to slurm: torchrun on every node, c10d rendezvous on the first one.
+#
+#   ./submit.sh                                             # debug model, 1 node x 8 GPUs, generated name
+#   CONFIG_FILE=train_configs/x.toml NNODES=4 NGPU=8 RUN_NAME=fp8-8b ./submit.sh --training.steps 1000
+#   RUN_NAME=fp8-8b ./submit.sh                             # again: resumes outputs/fp8-8b from its checkpoint
+#
+# Extra arguments are training overrides (as for run_llama_train.sh).
+# Environment:
+#   CONFIG_FILE   TOML (default train_configs/debug_model.toml)
+#   NNODES        nodes (default 1)           NGPU  GPUs per node (default 8)
+#   RUN_NAME      names the output + checkpoint folder outputs/RUN_NAME; default: WANDB_RUN_NAME, then
+#                 WANDB_NAME, then <config>-<date>-<time>. The same name resumes that run's last checkpoint.
+#   OUTPUT_ROOT   where run folders live (default outputs)
+#   ENV_FILE      your own variables (default .env): sourced here and on the nodes, never printed. Secrets
+#                 in it (names with TOKEN, KEY, SECRET, PASSWORD) are kept out of the environment sbatch
+#                 records and are read from the file again on the nodes.
+#   SBATCH_*      any sbatch option slurm reads from the environment (SBATCH_PARTITION, SBATCH_TIMELIMIT,
+#                 SBATCH_ACCOUNT, ...); may be set in .env.
+#   SBATCH_SCRIPT batch script (default scripts/slurm/train.sbatch)   DRY_RUN=1 print the sbatch command only
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here"
+
+ENV_FILE="${ENV_FILE:-.env}"
+secret_names=()
+if [[ -f "$ENV_FILE" ]]; then
+  # Names only: values never reach the terminal (no set -x, no echo).
+  mapfile -t secret_names < <(sed -nE 's/^[[:space:]]*(export[[:space:]]+)?([A-Za-z_][A-Za-z0-9_]*)=.*/\2/p' "$ENV_FILE" \
+    | grep -iE 'TOKEN|KEY|SECRET|PASSWORD|PASSWD' || true)
+  set -a
+  # shellcheck disable=SC1090
+  source "$ENV_FILE"
+  set +a
+fi
+
+CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+NNODES="${NNODES:-1}"
+NGPU="${NGPU:-8}"
+OUTPUT_ROOT="${OUTPUT_ROOT:-outputs}"
+SBATCH_SCRIPT="${SBATCH_SCRIPT:-scripts/slurm/train.sbatch}"
+if [[ ! -f "$CONFIG_FILE" ]]; then
+  echo "submit.sh: CONFIG_FILE = '$CONFIG_FILE': no such file" >&2; exit 2
+fi
+for v in NNODES NGPU; do
+  if [[ ! "${!v}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "submit.sh: $v = '${!v}': expected a positive integer" >&2; exit 2
+  fi
+done
+
+RUN_NAME="${RUN_NAME:-${WANDB_RUN_NAME:-${WANDB_NAME:-}}}"
+if [[ -z "$RUN_NAME" ]]; then
+  RUN_NAME="$(basename "$CONFIG_FILE" .toml)-$(date +%Y%m%d-%H%M%S)"
+fi
+if [[ ! "$RUN_NAME" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
+  echo "submit.sh: RUN_NAME = '$RUN_NAME': use letters, digits, '.', '_' and '-' (it names a folder)" >&2; exit 2
+fi
+DUMP_FOLDER="$OUTPUT_ROOT/$RUN_NAME"
+mkdir -p "$DUMP_FOLDER/slurm"
+if [[ -d "$DUMP_FOLDER/checkpoint" ]]; then
+  echo "submit.sh: $DUMP_FOLDER/checkpoint exists: this run resumes from its last checkpoint" >&2
+fi
+
+# shellcheck source=scripts/ensure_venv.sh
+source scripts/ensure_venv.sh
+
+# What the batch script needs; W&B names (and resumes) the run after the folder.
+export LBT_REPO="$here" LBT_RUN_NAME="$RUN_NAME" LBT_DUMP_FOLDER="$DUMP_FOLDER" LBT_ENV_FILE="$ENV_FILE"
+export CONFIG_FILE PYTHON
+export WANDB_RUN_NAME="${WANDB_RUN_NAME:-$RUN_NAME}" WANDB_RUN_ID="${WANDB_RUN_ID:-$RUN_NAME}"
+export WANDB_RESUME="${WANDB_RESUME:-allow}"
+for name in "${secret_names[@]}"; do
+  unset "$name"
+done
+
+cmd=(sbatch "--job-name=$RUN_NAME" "--nodes=$NNODES" --ntasks-per-node=1 "--gpus-per-node=$NGPU"
+     "--output=$DUMP_FOLDER/slurm/%j.out" --open-mode=append --requeue --export=ALL
+     "$SBATCH_SCRIPT" "$@")
+if [[ "${DRY_RUN:-0}" == "1" ]]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+"${cmd[@]}"
+echo "submit.sh: run '$RUN_NAME' -> $DUMP_FOLDER (resubmit with RUN_NAME=$RUN_NAME to resume)" >&2
