@@ -50,6 +50,12 @@ def build_config(argv: list[str]):
         config.__post_init__()  # torchtitan's own cross-field checks, after the TOML was applied
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    from low_bits_training.titan.optim import adapt_optimizer_config
+
+    adapt_optimizer_config(config)  # low-bit / torchao optimizer names: checked kwargs, our container
+    from low_bits_training.titan.quantize import apply_precision_plan
+
+    apply_precision_plan(config)  # validate [quantize] and swap in QuantLinear configs, before any build
     datasets.register()
     datasets.prepare_assets(config)
     if on_cpu:
@@ -99,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     if _is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
         logger.info(f"Resolved config written to {path}")
+        from low_bits_training.titan.quantize import save_plan
+
+        save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
     run(config)
     return 0
 
