@@ -1,0 +1,26 @@
+"""Quantized matmul and QuantLinear: the three GEMMs of a linear layer cast by a per-operand plan."""
+
+from .cast import cast, scaled_values
+from .functional import GEMM_OPERANDS, QuantMatmul, quant_linear, run_gemm
+from .kernels import device_has_fp8_gemm, unsupported_reason
+from .linear import QuantLinear
+from .roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan, Role
+from .tp import linear
+
+__all__ = [
+    "GEMMS",
+    "GEMM_OPERANDS",
+    "ROLES",
+    "ROLE_NAMES",
+    "LinearPlan",
+    "QuantLinear",
+    "QuantMatmul",
+    "Role",
+    "cast",
+    "device_has_fp8_gemm",
+    "linear",
+    "quant_linear",
+    "run_gemm",
+    "scaled_values",
+    "unsupported_reason",
+]

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from torchtitan.trainer import Trainer
 
+from low_bits_training.config.plan import QuantizeConfig
+
 
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
@@ -29,3 +31,6 @@ class LowBitsTrainer(Trainer):
     class Config(Trainer.Config):
         job: JobConfig = field(default_factory=JobConfig)
         """``[job]``: base config and run name."""
+        quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+        """``[quantize]``: the precision plan, a number format per GEMM operand of each linear layer
+        (recipe, backend, skip, rules; see docs/precision_plan.md)."""

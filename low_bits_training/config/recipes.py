@@ -1,0 +1,75 @@
+"""Named precision recipes: one line in ``[quantize] recipe = ...`` sets all six GEMM operand roles.
+
+Each recipe gives a spec per operand (input, weight, grad_output); the operand's spec is used in every GEMM
+it feeds, with the axis set to that GEMM's contraction dim (``nn.roles``). Conventions and their sources:
+
+- fp8_tensorwise: torchao ``Float8LinearConfig()`` default: e4m3 input/weight, e5m2 grad_output, one fp32
+  scale per tensor.
+- fp8_rowwise: torchao recipe "rowwise": e4m3 everywhere, one scale per row along the contraction dim,
+  power-of-two scales (``round_scales_to_power_of_2``: the dequant scale amax/max rounded up = "rceil").
+- fp8_rowwise_hp_wgrad: torchao "rowwise_with_gw_hp": forward rowwise e4m3; dgrad grad_output rowwise e4m3 and
+  weight tensorwise e4m3; the weight-gradient GEMM in high precision.
+- deepseek_fp8: DeepSeek-V3 tech report sec. 3.3: e4m3 everywhere, weights in 128x128 tiles, activations and
+  gradients in 1x128 blocks along the contraction dim, fp32 scales.
+- mxfp8 / mxfp6 / mxfp4: OCP MX v1.0: 1x32 blocks along the contraction dim, e8m0 scales. mxfp8 uses torchao's
+  training default scale rounding (RCEIL); mxfp6 / mxfp4 the spec's floor rule. mxfp6: e2m3 for input/weight,
+  e3m2 (more range) for gradients.
+- nvfp4: NVIDIA NVFP4 training recipe (arXiv 2509.25149): e2m1, 1x16 blocks with ue4m3 scales under an fp32
+  tensor scale; weights in 16x16 tiles (so W and W^T share one quantization); gradients stochastically rounded.
+- int8: symmetric int8, one fp32 scale per row along the contraction dim, everywhere.
+"""
+
+from __future__ import annotations
+
+from low_bits_training.formats import QuantSpec
+from low_bits_training.nn import ROLES
+
+_FP8_ROW = QuantSpec.fp8_rowwise(scale_rounding="rceil")
+
+
+def _by_operand(
+    input: QuantSpec | None, weight: QuantSpec | None, grad_output: QuantSpec | None
+) -> dict[str, QuantSpec | None]:
+    by = {"input": input, "weight": weight, "grad_output": grad_output}
+    return {r.name: by[r.operand] for r in ROLES}
+
+
+def _hp_wgrad() -> dict[str, QuantSpec | None]:
+    specs = _by_operand(_FP8_ROW, _FP8_ROW, _FP8_ROW)
+    specs["dgrad.weight"] = QuantSpec.fp8_tensorwise(scale_rounding="rceil")
+    specs["wgrad.grad_output"] = specs["wgrad.input"] = None
+    return specs
+
+
+RECIPES: dict[str, dict[str, QuantSpec | None]] = {
+    "bf16": _by_operand(None, None, None),
+    "fp8_tensorwise": _by_operand(
+        QuantSpec.fp8_tensorwise(), QuantSpec.fp8_tensorwise(), QuantSpec.fp8_tensorwise("e5m2")
+    ),
+    "fp8_rowwise": _by_operand(_FP8_ROW, _FP8_ROW, _FP8_ROW),
+    "fp8_rowwise_hp_wgrad": _hp_wgrad(),
+    "deepseek_fp8": _by_operand(
+        QuantSpec.deepseek_act(), QuantSpec.deepseek_weight(), QuantSpec.deepseek_act()
+    ),
+    "mxfp8": _by_operand(*[QuantSpec.mxfp8("e4m3", "rceil")] * 3),
+    "mxfp6": _by_operand(QuantSpec.mxfp6("e2m3"), QuantSpec.mxfp6("e2m3"), QuantSpec.mxfp6("e3m2")),
+    "mxfp4": _by_operand(*[QuantSpec.mxfp4()] * 3),
+    "nvfp4": _by_operand(
+        QuantSpec.nvfp4(),
+        QuantSpec("e2m1", "tile", block_size=16, scale_format="ue4m3", tensor_scale=True),
+        QuantSpec.nvfp4(rounding="stochastic"),
+    ),
+    "int8": _by_operand(*[QuantSpec.int8_rowwise()] * 3),
+}
+"""Recipe name -> spec per role name ("forward.input", ...); None is high precision."""
+
+
+def recipe_specs(name: str) -> dict[str, QuantSpec | None]:
+    """The role -> spec table of a named recipe.
+
+    Raises:
+        KeyError: unknown name (the message lists the allowed names).
+    """
+    if name not in RECIPES:
+        raise KeyError(f"quantize.recipe = {name!r}: expected one of {', '.join(RECIPES)}")
+    return dict(RECIPES[name])

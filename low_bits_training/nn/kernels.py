@@ -1,0 +1,88 @@
+"""Real low-bit GEMM kernels, and which GEMMs they can run.
+
+- fp8 (e4m3 / e5m2, tensorwise or rowwise fp32 scales): ``torch._scaled_mm``. It runs on CUDA SM89+ and,
+  in torch 2.14.1, also on CPU (a reference kernel: slower than an fp32 matmul there, but a real fp8 GEMM
+  to hold the emulation to).
+- MXFP8 / NVFP4 need torchao's blocked-scale kernels on SM100 (B200). Not wired here: no such hardware to
+  test on; ``backend = "real"`` refuses them with a one-line reason and ``auto`` falls back to emulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from low_bits_training.formats import QuantSpec
+
+from .cast import ShardGroups, scaled_values
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def unsupported_reason(a: QuantSpec | None, b: QuantSpec | None) -> str | None:
+    """Why ``torch._scaled_mm`` cannot run a GEMM with operand specs ``a`` and ``b`` (None: it can)."""
+    if a is None or b is None:
+        return "an operand is high precision"
+    for s in (a, b):
+        if s.elem.name not in FP8_DTYPES:
+            return f"format {s.elem.name} is not e4m3/e5m2"
+        if s.scaling not in ("tensor", "axis") or s.tensor_scale:
+            return f"scaling {s.scaling} is not tensorwise/rowwise"
+        if s.rounding != "nearest" or not s.saturate:
+            return "only round-to-nearest, saturating casts"
+    if a.elem.name == b.elem.name == "e5m2":
+        return "e5m2 x e5m2 is not supported"
+    return None
+
+
+def device_has_fp8_gemm(device: torch.device | str) -> bool:
+    """True where ``_scaled_mm`` is a hardware fp8 GEMM (CUDA SM89+). The CPU kernel exists but is slower
+    than fp32, so ``auto`` does not pick it there."""
+    device = torch.device(device)
+    return (
+        device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    )
+
+
+def _fp8(t: torch.Tensor, spec: QuantSpec, transpose: bool, shards: ShardGroups):
+    q, scale = scaled_values(t, spec, shards)  # q on the e4m3/e5m2 grid: the cast below is exact
+    if transpose:
+        q, scale = q.t(), scale.t()
+    return q.to(FP8_DTYPES[spec.elem.name]), scale
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    sa: QuantSpec,
+    a_t: bool,
+    ga: ShardGroups,
+    b: torch.Tensor,
+    sb: QuantSpec,
+    b_t: bool,
+    gb: ShardGroups,
+) -> torch.Tensor:
+    """``A @ B`` in fp8 by ``torch._scaled_mm`` (fp32 accumulate and output).
+
+    Args:
+        a, b: natural 2-D operands; ``a_t`` / ``b_t`` transpose them after the cast.
+        sa, sb: their specs (tensorwise or rowwise along the contraction dim, see ``unsupported_reason``).
+        ga, gb: sharded dims under TP (global amax, see ``cast``).
+
+    Returns:
+        fp32 (P, Q) product.
+
+    Raises:
+        ValueError: the specs cannot run on ``_scaled_mm``.
+    """
+    reason = unsupported_reason(sa, sb)
+    if reason:
+        raise ValueError(f"backend 'real': {reason} ({sa} x {sb})")
+    qa, scale_a = _fp8(a, sa, a_t, ga)  # (P, C), scale (P, 1) rowwise or (1, 1)
+    qb, scale_b = _fp8(b, sb, b_t, gb)  # (C, Q), scale (1, Q) rowwise or (1, 1)
+    if sa.scaling == sb.scaling == "tensor":
+        scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+    else:  # mixed tensorwise x rowwise: the tensor scale broadcast to a row scale (same products)
+        scale_a, scale_b = scale_a.expand(qa.shape[0], 1), scale_b.expand(1, qb.shape[1])
+    qb = qb.t().contiguous().t()  # _scaled_mm wants B column-major
+    return torch._scaled_mm(
+        qa.contiguous(), qb, scale_a.contiguous(), scale_b.contiguous(), out_dtype=torch.float32
+    )

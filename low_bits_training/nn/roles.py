@@ -1,0 +1,104 @@
+"""The six GEMM operands of a linear layer and the per-layer cast plan over them.
+
+A linear layer y = x W^T (x: (M, K) tokens x in-features, W: (N, K)) runs three GEMMs:
+
+======== =================== ======================= ===================
+GEMM     product             operands                contraction dim
+======== =================== ======================= ===================
+forward  y  = x  @ W^T       input (M,K), weight (N,K)  K: axis -1, -1
+dgrad    dx = dy @ W         grad_output (M,N), weight  N: axis -1, 0
+wgrad    dW = dy^T @ x       grad_output, input         M: axis 0, 0
+======== =================== ======================= ===================
+
+Row / block scales run along the contraction dim of *their* GEMM (that is what a scaled GEMM kernel can
+consume), so the same tensor gets a different ``axis`` in different GEMMs: the weight is blocked along K in
+the forward and along N in dgrad; the activations and gradients along the token dim M in wgrad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from low_bits_training.formats import QuantSpec
+
+Gemm = Literal["forward", "dgrad", "wgrad"]
+Backend = Literal["emulate", "real"]
+
+
+class Role(NamedTuple):
+    """One operand of one GEMM."""
+
+    gemm: Gemm
+    operand: Literal["input", "weight", "grad_output"]
+    axis: int
+    """The operand's contraction dim as a 2-D tensor (see the module table)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.gemm}.{self.operand}"
+
+
+ROLES: tuple[Role, ...] = (
+    Role("forward", "input", -1),
+    Role("forward", "weight", -1),
+    Role("dgrad", "grad_output", -1),
+    Role("dgrad", "weight", 0),
+    Role("wgrad", "grad_output", 0),
+    Role("wgrad", "input", 0),
+)
+"""The cast table: every operand of every GEMM, in a fixed order (``LinearPlan.specs`` follows it)."""
+
+ROLE_NAMES: tuple[str, ...] = tuple(r.name for r in ROLES)
+GEMMS: tuple[str, ...] = ("forward", "dgrad", "wgrad")
+
+
+def along_contraction(spec: QuantSpec | None, role: Role) -> QuantSpec | None:
+    """``spec`` with its axis set to ``role``'s contraction dim (axis/block scaling; no-op otherwise)."""
+    if spec is None or spec.scaling not in ("axis", "block"):
+        return spec
+    return dataclasses.replace(spec, axis=role.axis)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How one linear layer casts the operands of its three GEMMs.
+
+    ``specs[i]`` belongs to ``ROLES[i]``; None keeps that operand in high precision. Specs are stored with
+    their axis already set to the role's contraction dim.
+    """
+
+    specs: tuple[QuantSpec | None, ...] = (None,) * len(ROLES)
+    """One spec (or None) per role, in ``ROLES`` order."""
+    backends: tuple[Backend, ...] = ("emulate",) * len(GEMMS)
+    """Per GEMM (``GEMMS`` order): "emulate" (fake-quantize, fp32 matmul) or "real" (``torch._scaled_mm``)."""
+
+    def __post_init__(self) -> None:
+        if len(self.specs) != len(ROLES) or len(self.backends) != len(GEMMS):
+            raise ValueError(f"LinearPlan needs {len(ROLES)} specs and {len(GEMMS)} backends")
+        fixed = tuple(along_contraction(s, r) for s, r in zip(self.specs, ROLES, strict=True))
+        object.__setattr__(self, "specs", fixed)
+
+    @classmethod
+    def from_roles(cls, specs: dict[str, QuantSpec | None], backend: Backend = "emulate") -> LinearPlan:
+        """A plan from ``{"forward.input": spec, ...}``; missing roles stay high precision.
+
+        Raises:
+            ValueError: an unknown role name.
+        """
+        unknown = sorted(set(specs) - set(ROLE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown role {unknown[0]!r}: allowed {', '.join(ROLE_NAMES)}")
+        return cls(tuple(specs.get(n) for n in ROLE_NAMES), (backend,) * len(GEMMS))
+
+    def spec(self, role: str) -> QuantSpec | None:
+        """The spec of a role named ``"gemm.operand"``."""
+        return self.specs[ROLE_NAMES.index(role)]
+
+    def backend(self, gemm: str) -> Backend:
+        return self.backends[GEMMS.index(gemm)]
+
+    @property
+    def is_high_precision(self) -> bool:
+        return all(s is None for s in self.specs)
