@@ -56,9 +56,6 @@ def build_config(argv: list[str]):
     from low_bits_training.titan.quantize import apply_precision_plan
 
     apply_precision_plan(config)  # validate [quantize] and swap in QuantLinear configs, before any build
-    from low_bits_training.titan.quantize import apply_precision_plan
-
-    apply_precision_plan(config)  # validate [quantize] and swap in QuantLinear configs, before any build
     datasets.register()
     datasets.prepare_assets(config)
     if on_cpu:
@@ -108,9 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     if _is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
         logger.info(f"Resolved config written to {path}")
-        from low_bits_training.titan.quantize import save_plan
-
-        save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
         from low_bits_training.titan.quantize import save_plan
 
         save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
