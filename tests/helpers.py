@@ -29,7 +29,11 @@ class Run:
 
     @property
     def losses(self) -> dict[int, float]:
-        return {r["step"]: r["loss_metrics/global_avg_loss"] for r in self.rows if "loss_metrics/global_avg_loss" in r}
+        return {
+            r["step"]: r["loss_metrics/global_avg_loss"]
+            for r in self.rows
+            if "loss_metrics/global_avg_loss" in r
+        }
 
 
 def write_toml(path: Path, base: Path = DEBUG_TOML, **sections) -> Path:
@@ -44,20 +48,50 @@ def write_toml(path: Path, base: Path = DEBUG_TOML, **sections) -> Path:
     return path
 
 
-def train(tmp_path: Path, *args: str, nproc: int = 1, config: Path | None = None, timeout: int = 600,
-          check: bool = True, env: dict | None = None) -> Run:
+def train(
+    tmp_path: Path,
+    *args: str,
+    nproc: int = 1,
+    config: Path | None = None,
+    timeout: int = 600,
+    check: bool = True,
+    env: dict | None = None,
+) -> Run:
     """Train with ``torchrun --nproc_per_node nproc`` into ``tmp_path/run`` (small debug shape by default).
 
     Extra ``args`` are command-line overrides. The markov corpus is shared across tests (repo assets folder).
     """
     folder = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0", "--role=rank", "--tee=3",
-           "-m", "low_bits_training.titan.launch", "--config-file", str(config or DEBUG_TOML),
-           "--dump_folder", str(folder), "--training.local_batch_size", "2", "--training.seq_len", "128",
-           "--metrics.log_freq", "1", "--metrics.no-enable-tensorboard", *args]
-    e = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-             **(env or {}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        "--local-ranks-filter=0",
+        "--role=rank",
+        "--tee=3",
+        "-m",
+        "low_bits_training.titan.launch",
+        "--config-file",
+        str(config or DEBUG_TOML),
+        "--dump_folder",
+        str(folder),
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "128",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.no-enable-tensorboard",
+        *args,
+    ]
+    e = dict(
+        os.environ,
+        OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+        **(env or {}),
+    )
     p = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     run = Run(p.returncode, p.stdout + p.stderr, folder)
     if check and p.returncode != 0:

@@ -34,7 +34,9 @@ def _type_name(tp: Any) -> str:
     tp = _strip(tp)
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if typing.get_origin(tp) is None and hasattr(tp, "__name__"):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
@@ -126,7 +128,9 @@ def apply_dict(obj: Any, data: dict[str, Any], where: str = "") -> None:
         path = f"{where}.{key}" if where else key
         if key not in allowed:
             section = f"[{where}]" if where else "the top level"
-            raise ConfigError(f"unknown key '{path}' in {section}; allowed keys: {', '.join(sorted(allowed))}")
+            raise ConfigError(
+                f"unknown key '{path}' in {section}; allowed keys: {', '.join(sorted(allowed))}"
+            )
         setattr(obj, key, _value_for(getattr(obj, key), value, hints.get(key, Any), path))
 
 
@@ -157,8 +161,11 @@ def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
     if unknown:
         raise ConfigError(f"unknown key '{path}.{unknown[0]}'; allowed keys: {', '.join(sorted(fields))}")
     kwargs = {k: _value_for(None, v, hints.get(k, Any), f"{path}.{k}") for k, v in data.items()}
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ConfigError(f"{path}: missing required key '{missing[0]}' ({cls.__qualname__})")
     try:

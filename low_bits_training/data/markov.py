@@ -55,8 +55,10 @@ def _words(n: int, rng: np.random.Generator) -> list[str]:
     out: list[str] = []
     while len(out) < n:
         k = int(rng.integers(2, 4))
-        w = "".join(_CONSONANTS[rng.integers(len(_CONSONANTS))] + _VOWELS[rng.integers(len(_VOWELS))]
-                    for _ in range(k))
+        w = "".join(
+            _CONSONANTS[rng.integers(len(_CONSONANTS))] + _VOWELS[rng.integers(len(_VOWELS))]
+            for _ in range(k)
+        )
         if w not in seen:
             seen.add(w)
             out.append(w)
@@ -121,8 +123,15 @@ def _train_tokenizer(docs: list[str], folder: Path) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
     tok.train_from_iterator(docs, trainers.WordLevelTrainer(special_tokens=[BOS, EOS, UNK], min_frequency=1))
     tok.save(str(folder / "tokenizer.json"))
-    cfg = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "add_bos_token": True, "add_eos_token": True,
-           "model_max_length": 1 << 20, "tokenizer_class": "PreTrainedTokenizerFast"}
+    cfg = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "add_bos_token": True,
+        "add_eos_token": True,
+        "model_max_length": 1 << 20,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 

@@ -56,7 +56,7 @@ def resolve_base(base: str) -> LowBitsTrainer.Config:
         raise ConfigError(f"job.base = {base!r}: expected 'module:function', e.g. {DEFAULT_BASE!r}")
     try:  # ConfigManager._load_config resolves torchtitan short names and dotted modules alike
         cfg, _ = _config_manager()._load_config(["--module", module, "--config", fn])
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, TypeError) as e:  # TypeError: a function that needs arguments
         raise ConfigError(f"job.base = {base!r}: {str(e).splitlines()[0]}") from None
     from torchtitan.trainer import Trainer
 
@@ -92,8 +92,11 @@ def wandb_configured(env: dict[str, str] | None = None) -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def load_config(config_file: str | os.PathLike | None, cli_args: list[str],
-                platform_defaults: Callable[[Any], None] | None = None) -> LowBitsTrainer.Config:
+def load_config(
+    config_file: str | os.PathLike | None,
+    cli_args: list[str],
+    platform_defaults: Callable[[Any], None] | None = None,
+) -> LowBitsTrainer.Config:
     """Build the full config: base, then the TOML file, then the command line.
 
     Args:
@@ -145,8 +148,10 @@ def save_resolved(config: LowBitsTrainer.Config, folder: str | os.PathLike, argv
     changed = diff(config, resolve_base(config.job.base), skip=frozenset({"model_spec"}))
     changed.setdefault("job", {})["base"] = config.job.base
     lost = _pop_untomlable(changed)
-    header = ("# Resolved by low-bits-training: the base plus every field that differs from it.\n"
-              "# Rerun: CONFIG_FILE=<this file> ./run_llama_train.sh\n")
+    header = (
+        "# Resolved by low-bits-training: the base plus every field that differs from it.\n"
+        "# Rerun: CONFIG_FILE=<this file> ./run_llama_train.sh\n"
+    )
     header += "".join(f"# not representable in TOML (left at the base's value): {k}\n" for k in lost)
     body = tomli_w.dumps(_redact(changed))
     (folder / "config.toml").write_text(header + body)
@@ -169,8 +174,14 @@ _SECRET_WORDS = ("token", "api_key", "apikey", "password", "secret")
 def _redact(d: Any) -> Any:
     # Credentials never reach a saved file: any key that names one is replaced.
     if isinstance(d, dict):
-        return {k: ("<redacted>" if any(w in str(k).lower() for w in _SECRET_WORDS) and isinstance(v, str)
-                    else _redact(v)) for k, v in d.items()}
+        return {
+            k: (
+                "<redacted>"
+                if any(w in str(k).lower() for w in _SECRET_WORDS) and isinstance(v, str)
+                else _redact(v)
+            )
+            for k, v in d.items()
+        }
     if isinstance(d, list):
         return [_redact(x) for x in d]
     return d

@@ -96,8 +96,12 @@ def _make_cpu_device_module() -> types.ModuleType:
 
     def memory_stats(device=None) -> dict[str, int]:
         peak = _peak_rss_bytes()
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0,
-                "num_ooms": 0}
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
 
     mod.memory_stats = memory_stats
     return mod
@@ -112,8 +116,10 @@ def install_device_module() -> None:
     """
     early = [m for m in _COPIERS if m in sys.modules]
     if early:
-        raise RuntimeError(f"CPU adapter applied too late: {early} already imported; call "
-                           "low_bits_training.titan.cpu.install_device_module() before importing torchtitan")
+        raise RuntimeError(
+            f"CPU adapter applied too late: {early} already imported; call "
+            "low_bits_training.titan.cpu.install_device_module() before importing torchtitan"
+        )
     import torchtitan.tools.utils as tt_utils
 
     tt_utils.device_type = "cpu"  # upstream: tools/utils.py ~60, "cuda" when no accelerator
@@ -133,15 +139,29 @@ def _dense_attention_class():
         class Config(FlexAttention.Config):
             pass
 
-        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, score_mod=None, scale=None,
-                    enable_gqa=False, out_transform=None, **kwargs):
+        def forward(
+            self,
+            q_BLNH,
+            k_BLNH,
+            v_BLNH,
+            *,
+            attention_masks,
+            score_mod=None,
+            scale=None,
+            enable_gqa=False,
+            out_transform=None,
+            **kwargs,
+        ):
             if score_mod is not None or out_transform is not None:
-                raise NotImplementedError("DenseMaskAttention (CPU) supports neither score_mod nor out_transform")
+                raise NotImplementedError(
+                    "DenseMaskAttention (CPU) supports neither score_mod nor out_transform"
+                )
             q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
             B, _, L, _ = q.shape
             mask = create_mask(attention_masks.mask_mod, B, 1, L, k.shape[2], device=q.device)  # (B, 1, L, S)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+            )
             return out.transpose(1, 2)  # (B, L, N, H)
 
     return DenseMaskAttention

@@ -66,9 +66,11 @@ def register() -> None:
     def text(sample):
         return sample["text"]
 
-    for name, loader in (("lbt_markov", _markov_loader("train")),
-                         ("lbt_markov_validation", _markov_loader("validation")),
-                         ("local", _local_loader)):
+    for name, loader in (
+        ("lbt_markov", _markov_loader("train")),
+        ("lbt_markov_validation", _markov_loader("validation")),
+        ("local", _local_loader),
+    ):
         path = "" if name == "local" else MARKOV_DEFAULT_PATH
         DATASETS[name] = DatasetConfig(path=path, loader=loader, sample_processor=text)
 
@@ -97,9 +99,13 @@ def prepare_assets(config) -> None:
                 config.hf_assets_path = dl.dataset_path
         elif dl.dataset == "local":
             if not dl.dataset_path:
-                raise ConfigError("dataloader.dataset = 'local' needs dataloader.dataset_path (file, glob or folder)")
+                raise ConfigError(
+                    "dataloader.dataset = 'local' needs dataloader.dataset_path (file, glob or folder)"
+                )
             local_files(dl.dataset_path)
     tok = Path(config.hf_assets_path)
     if not any((tok / f).is_file() for f in _TOKENIZER_FILES):
-        raise ConfigError(f"hf_assets_path = {config.hf_assets_path!r}: none of {', '.join(_TOKENIZER_FILES)} there "
-                          "(use a local HF tokenizer folder, or dataset 'lbt_markov' for the built-in one)")
+        raise ConfigError(
+            f"hf_assets_path = {config.hf_assets_path!r}: none of {', '.join(_TOKENIZER_FILES)} there "
+            "(use a local HF tokenizer folder, or dataset 'lbt_markov' for the built-in one)"
+        )

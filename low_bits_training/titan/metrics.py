@@ -53,10 +53,17 @@ class LowBitsMetricsProcessor(MetricsProcessor):
         enable_jsonl: bool = True
         """Write every logged metric to ``<dump_folder>/metrics.jsonl`` (the report and sweeps read it)."""
 
-    def _build_metric_logger(self, *, config, parallel_dims, dump_folder, pp_schedule, **kwargs) -> BaseLogger:
+    def _build_metric_logger(
+        self, *, config, parallel_dims, dump_folder, pp_schedule, **kwargs
+    ) -> BaseLogger:
         inner = MetricsProcessor._build_metric_logger(
-            self, config=config, parallel_dims=parallel_dims, dump_folder=dump_folder, pp_schedule=pp_schedule,
-            **kwargs)
+            self,
+            config=config,
+            parallel_dims=parallel_dims,
+            dump_folder=dump_folder,
+            pp_schedule=pp_schedule,
+            **kwargs,
+        )
         if not config.enable_jsonl:
             return inner
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
