@@ -53,7 +53,7 @@ def run_gemm(gemm: str, tensors: dict[str, torch.Tensor], plan: LinearPlan, shar
     sa, sb = plan.specs[op.a], plan.specs[op.b]
     a, b = tensors[ra.operand], tensors[rb.operand]
     ga, gb = shards.get(ra.operand, ()), shards.get(rb.operand, ())
-    if plan.backend(gemm) == "real":
+    if plan.backend(gemm) == "real" and (sa is not None or sb is not None):
         return kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
     a, b = cast(a, sa, ga), cast(b, sb, gb)
     return (a.t() if op.a_t else a) @ (b.t() if op.b_t else b)

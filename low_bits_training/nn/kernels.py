@@ -80,9 +80,8 @@ def scaled_mm(
     qb, scale_b = _fp8(b, sb, b_t, gb)  # (C, Q), scale (1, Q) rowwise or (1, 1)
     if sa.scaling == sb.scaling == "tensor":
         scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
-    else:  # mixed tensorwise x rowwise: the tensor scale broadcast to a row scale (same products)
-        scale_a, scale_b = scale_a.expand(qa.shape[0], 1), scale_b.expand(1, qb.shape[1])
+    else:  # rowwise (a tensor scale broadcast to rows gives the same products); scales need unit stride
+        scale_a = scale_a.expand(qa.shape[0], 1).reshape(-1).contiguous().unsqueeze(1)  # (P, 1)
+        scale_b = scale_b.expand(1, qb.shape[1]).reshape(-1).contiguous().unsqueeze(0)  # (1, Q)
     qb = qb.t().contiguous().t()  # _scaled_mm wants B column-major
-    return torch._scaled_mm(
-        qa.contiguous(), qb, scale_a.contiguous(), scale_b.contiguous(), out_dtype=torch.float32
-    )
+    return torch._scaled_mm(qa.contiguous(), qb, scale_a, scale_b, out_dtype=torch.float32)
