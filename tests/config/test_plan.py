@@ -1,0 +1,96 @@
+"""The [quantize] precision plan: recipes, rules, skip, backends, and one-line errors before the model."""
+
+import pytest
+
+from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
+from low_bits_training.config.plan_table import format_plan, plan_to_json
+from low_bits_training.config.recipes import RECIPES
+from low_bits_training.config.tree import ConfigError, build_dataclass
+
+LAYERS = {f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)
+          for i in range(4) for n in ("attention.wqkv", "feed_forward.w1")}
+LAYERS["lm_head"] = LayerShape(256, 2048, 256)
+
+
+def spec(plans, fqn, role):
+    s = plans[fqn].spec(role)
+    return None if s is None else s.short()
+
+
+def test_recipe_defaults_and_skip():
+    plans = resolve_plan(QuantizeConfig(recipe="fp8_tensorwise"), LAYERS)
+    assert spec(plans, "layers.0.attention.wqkv", "forward.input") == "e4m3/tensor(fp32,exact)/rne"
+    assert spec(plans, "layers.3.feed_forward.w1", "dgrad.grad_output").startswith("e5m2/tensor")
+    assert plans["lm_head"].is_high_precision  # default skip
+    assert all(p.is_high_precision for p in resolve_plan(QuantizeConfig(), LAYERS).values())
+
+
+def test_rules_apply_in_order_with_first_last_n():
+    cfg = QuantizeConfig(recipe="mxfp8", rules=[
+        QuantRule(first_n=1, last_n=1, roles=["wgrad.*"], format="e5m2"),
+        QuantRule(layers=["layers.3.*"], roles=["*.weight"], format="high"),
+        QuantRule(roles=["dgrad.grad_output"], rounding="stochastic"),
+    ])
+    plans = resolve_plan(cfg, LAYERS)
+    assert spec(plans, "layers.0.feed_forward.w1", "wgrad.input") == "e5m2/block32@0(e8m0,rceil)/rne"
+    assert spec(plans, "layers.1.feed_forward.w1", "wgrad.input") == "e4m3/block32@0(e8m0,rceil)/rne"
+    assert spec(plans, "layers.3.attention.wqkv", "wgrad.grad_output").startswith("e5m2")
+    assert spec(plans, "layers.3.attention.wqkv", "forward.weight") is None
+    assert spec(plans, "layers.2.attention.wqkv", "dgrad.grad_output").endswith("/sr")
+    assert plans["lm_head"].is_high_precision  # skip wins over rules
+
+
+@pytest.mark.parametrize(("cfg", "message"), [
+    (QuantizeConfig(recipe="fp9"), "quantize.recipe = 'fp9': expected one of bf16, fp8_tensorwise"),
+    (QuantizeConfig(backend="gpu"), "quantize.backend = 'gpu': expected one of emulate, real, auto"),
+    (QuantizeConfig(rules=[QuantRule(format="e9m9")]), "quantize.rules[0]: unknown format 'e9m9'"),
+    (QuantizeConfig(rules=[QuantRule(layers=["layers.*.attn.*"])]), "quantize.rules[0].layers: 'layers.*.attn.*'"),
+    (QuantizeConfig(rules=[QuantRule(roles=["backward.*"])]), "quantize.rules[0].roles: 'backward.*' matches no"),
+    (QuantizeConfig(rules=[QuantRule(first_n=9)]), "quantize.rules[0].first_n/last_n = 9/0: expected 0..4"),
+    (QuantizeConfig(rules=[QuantRule(format="e4m3", scaling="rows")]), "quantize.rules[0]: QuantSpec.scaling='rows'"),
+    (QuantizeConfig(skip=["output"]), "quantize.skip: 'output' matches no linear layer"),
+    (QuantizeConfig(recipe="mxfp8", rules=[QuantRule(block_size=48)]), "block_size=48 does not divide"),
+    (QuantizeConfig(recipe="mxfp8", backend="real"), "quantize.backend = 'real': layers.0.attention.wqkv forward"),
+])
+def test_one_line_errors(cfg, message):
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(cfg, LAYERS)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_block_must_fit_tp_shards_and_tokens():
+    layers = {"layers.0.w": LayerShape(256, 192, 256, tp=2)}  # 192 / 2 = 96: not a multiple of 64
+    with pytest.raises(ConfigError, match=r"block_size=64 does not divide dim 1 of size 96"):
+        resolve_plan(QuantizeConfig(recipe="mxfp8", skip=[], rules=[QuantRule(block_size=64)]), layers)
+    with pytest.raises(ConfigError, match=r"wgrad.grad_output \(100, 256\)"):
+        resolve_plan(QuantizeConfig(recipe="mxfp8", skip=[]), {"layers.0.w": LayerShape(256, 256, 100)})
+
+
+def test_backends_real_and_auto():
+    plans = resolve_plan(QuantizeConfig(recipe="fp8_rowwise_hp_wgrad", backend="real"), LAYERS)
+    assert plans["layers.0.feed_forward.w1"].backends == ("real", "real", "emulate")
+    auto = resolve_plan(QuantizeConfig(recipe="fp8_rowwise", backend="auto"), LAYERS)
+    assert auto["layers.0.feed_forward.w1"].backends == ("emulate",) * 3  # CPU: no hardware fp8 GEMM
+
+
+def test_toml_shape_builds_through_the_tree_layer():
+    cfg = build_dataclass(QuantizeConfig, {"recipe": "nvfp4", "rules": [
+        {"layers": ["layers.0.*"], "roles": ["*"], "format": "high"}]}, "quantize")
+    plans = resolve_plan(cfg, LAYERS)
+    assert plans["layers.0.attention.wqkv"].is_high_precision
+    assert spec(plans, "layers.1.attention.wqkv", "forward.weight") == "e2m1/tile16x16(ue4m3,exact+t32)/rne"
+    with pytest.raises(ConfigError, match="unknown key 'quantize.rules\\[0\\].format_'"):
+        build_dataclass(QuantizeConfig, {"rules": [{"format_": "e4m3"}]}, "quantize")
+
+
+def test_table_collapses_identical_layers():
+    text = format_plan(resolve_plan(QuantizeConfig(recipe="fp8_rowwise"), LAYERS))
+    assert "layers.[0-3].attention.wqkv" in text and "layers.[0-3].feed_forward.w1" in text
+    assert "e4m3/axis0(fp32,rceil)/rne" in text and len(text.splitlines()) == 2 + 6 + 1
+    data = plan_to_json(resolve_plan(QuantizeConfig(recipe="int8"), LAYERS))
+    assert data["layers.0.attention.wqkv"]["specs"]["wgrad.input"]["axis"] == 0
+
+
+def test_every_recipe_resolves_on_the_debug_shapes():
+    for name in RECIPES:
+        resolve_plan(QuantizeConfig(recipe=name), LAYERS)
