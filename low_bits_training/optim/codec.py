@@ -12,23 +12,29 @@ Both have the parameter's leading dims, so a ``Shard(0)`` placement of the param
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from low_bits_training.formats import (
-    QuantizedTensor,
-    QuantSpec,
-    decode,
-    dequantize,
-    encode,
-    get_format,
-    quantize,
-)
+from low_bits_training.formats import QuantSpec, decode, encode, get_format, quantize, round_to, unpack
 
 from .presets import NATIVE
 
 _NATIVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.cache
+def _lut(fmt: str, device: torch.device) -> torch.Tensor:
+    """fp32 value of every code of an (<= 8-bit) format: decoding becomes one gather. Held to
+    ``formats.dequantize`` bit for bit in tests/optim/test_codec.py."""
+    f = get_format(fmt)
+    return decode(torch.arange(2**f.bits, dtype=torch.uint8, device=device), f)
+
+
+def lut_decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values of uint8 codes (same shape) by table lookup."""
+    return _lut(fmt, codes.device)[codes.long()]
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,6 @@ class StateCodec:
         if self.native:
             if self.spec.format == "fp32":
                 return {"": x.to(torch.float32)}
-            from low_bits_training.formats import round_to
-
             y = round_to(x.float(), self.spec.format, self.spec.rounding, self.spec.saturate, generator)
             return {"": y.to(_NATIVE_DTYPES[self.spec.format])}
         q = quantize(x.float(), self.spec, generator)
@@ -89,16 +93,15 @@ class StateCodec:
         if self.native:
             return parts[""].to(torch.float32, copy=True)  # callers update it in place
         lead, cols = tuple(shape[:-1]), shape[-1]
-        if self.spec.scaling == "block":
-            s = parts["_scales"]
-            s = s.float() if self.spec.scale_format in _NATIVE_DTYPES else decode(s, self.spec.scale_format)
-            scales = s.reshape(*lead, cols // self.spec.block_size, 1)
-        else:
-            scales = torch.ones((1,) * len(shape), dtype=torch.float32, device=parts["_codes"].device)
-        q = QuantizedTensor(
-            parts["_codes"].reshape(-1), scales, None, self.spec, torch.Size(shape), torch.float32
+        numel = cols * (torch.Size(lead).numel())
+        y = lut_decode(
+            unpack(parts["_codes"].reshape(-1), get_format(self.spec.format).bits, numel), self.spec.format
         )
-        return dequantize(q)
+        if self.spec.scaling != "block":
+            return y.reshape(shape)
+        s = parts["_scales"]
+        s = s.float() if self.spec.scale_format in _NATIVE_DTYPES else lut_decode(s, self.spec.scale_format)
+        return (y.reshape(*lead, cols // self.spec.block_size, -1) * s.unsqueeze(-1)).reshape(shape)
 
     def dtypes(self) -> dict[str, torch.dtype]:
         """Suffix -> storage dtype of each part."""

@@ -36,29 +36,33 @@ PRESETS: dict[str, QuantSpec] = {
     "int4_block128": QuantSpec("int4", "block", block_size=128),
     "e2m1_block128": QuantSpec("e2m1", "block", block_size=128),
 }
-"""Named state formats. ``<fmt>_block<N>[_<scale fmt>]`` is also parsed for any element/scale format.
+"""Named state formats. ``<fmt>_block<N>[_<scale fmt>]`` is also parsed for any element/scale format, and a
+``_sr`` suffix on any name selects stochastic rounding of the state (unbiased EMA updates).
 e8m0 scales use "ceil" rounding so the block max never saturates (a power-of-two scale >= amax/max)."""
 
-_PATTERN = re.compile(r"^(?P<fmt>[a-z0-9]+)_block(?P<bs>\d+)(?:_(?P<sf>[a-z0-9]+))?$")
+_PATTERN = re.compile(r"^(?P<fmt>[a-z0-9]+)_block(?P<bs>\d+)(?:_(?P<sf>fp32|bf16|e8m0|ue4m3))?(?P<sr>_sr)?$")
 _SPEC_KEYS = tuple(f.name for f in fields(QuantSpec))
 
 
 def allowed_names() -> str:
     """The preset names, for error messages."""
-    return ", ".join(PRESETS) + ", <fmt>_block<N>[_<scale fmt>], or a table of QuantSpec fields"
+    return ", ".join(PRESETS) + ", <fmt>_block<N>[_<scale fmt>][_sr], or a table of QuantSpec fields"
 
 
 def _from_name(name: str) -> QuantSpec:
-    if name in PRESETS:
-        return PRESETS[name]
-    m = _PATTERN.match(name)
-    if m is None:
-        raise ValueError(f"unknown state format {name!r}")
-    sf = m.group("sf") or "fp32"
-    rounding = "exact" if sf in ("fp32", "bf16") else "ceil"
-    return QuantSpec(
-        m.group("fmt"), "block", block_size=int(m.group("bs")), scale_format=sf, scale_rounding=rounding
-    )
+    base, sr = (name[:-3], True) if name.endswith("_sr") else (name, False)
+    if base in PRESETS:
+        spec = PRESETS[base]
+    else:
+        m = _PATTERN.match(base)
+        if m is None:
+            raise ValueError(f"unknown state format {name!r}")
+        sf = m.group("sf") or "fp32"
+        rounding = "exact" if sf in ("fp32", "bf16") else "ceil"
+        spec = QuantSpec(
+            m.group("fmt"), "block", block_size=int(m.group("bs")), scale_format=sf, scale_rounding=rounding
+        )
+    return with_rounding(spec, "stochastic") if sr else spec
 
 
 def _from_table(d: dict[str, Any]) -> QuantSpec:

@@ -1,0 +1,93 @@
+"""State codecs (layout, bytes, held to formats.dequantize) and one-line option errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from low_bits_training.formats import dequantize, quantize
+from low_bits_training.optim import AdamWOptions, SGDOptions, StateCodec, parse_state_format
+
+QUANTIZED = [
+    "int8_block128",
+    "e4m3_block128",
+    "int4_block128",
+    "e2m1_block128",
+    "e2m1_block32_e8m0",
+    "e4m3_block32_e8m0",
+    "e5m2_block128",
+    "int8_block64_bf16",
+    "e3m2_block32",
+]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_codec_decode_equals_formats_dequantize_bit_for_bit(name):
+    spec = parse_state_format(name)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 8)[:, None]
+    c = StateCodec(spec)
+    parts = c.encode(x)
+    assert {k: v.dtype for k, v in parts.items()} == c.dtypes()
+    assert {k: tuple(v.shape) for k, v in parts.items()} == c.part_shapes((8, 256))
+    assert torch.equal(c.decode(parts, (8, 256)), dequantize(quantize(x, spec)))
+
+
+@pytest.mark.parametrize(
+    ("name", "bytes_per_elem"),
+    [
+        ("int8_block128", 1 + 4 / 128),
+        ("int4_block128", 0.5 + 4 / 128),
+        ("e2m1_block32_e8m0", 0.5 + 1 / 32),
+        ("bf16", 2.0),
+    ],
+)
+def test_bytes_per_element(name, bytes_per_elem):
+    parts = StateCodec(parse_state_format(name)).encode(torch.randn(4, 256))
+    assert sum(t.nbytes for t in parts.values()) / 1024 == pytest.approx(bytes_per_elem)
+
+
+def test_rows_are_independent_so_row_shards_quantize_like_the_whole():
+    x = torch.randn(6, 256)
+    c = StateCodec(parse_state_format("e2m1_block32_e8m0"))
+    whole = c.encode(x)
+    top, bottom = c.encode(x[:3]), c.encode(x[3:])
+    for k in whole:
+        assert torch.equal(whole[k], torch.cat([top[k], bottom[k]]))
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"lr": 1e-3, "exp_avg": "int9_block128"}, "exp_avg='int9_block128'"),
+        ({"lr": 1e-3, "exp_avg_sq": {"format": "e4m3", "scaling": "tile"}}, "exp_avg_sq="),
+        (
+            {"lr": 1e-3, "master_rounding": "up"},
+            "master_rounding='up': allowed ['nearest', 'stochastic', 'kahan']",
+        ),
+        ({"lr": 1e-3, "master_rounding": "stochastic"}, "needs master_weights"),
+        ({"lr": 1e-3, "betas": [0.9]}, "betas=[0.9]"),
+        ({"lr": -1.0}, "lr=-1.0"),
+        ({"lr": 1e-3, "exp_avgs": "bf16"}, "unknown key 'exp_avgs'"),
+        ({"betas": [0.9, 0.95]}, "lr is required"),
+    ],
+)
+def test_adamw_option_errors_are_one_line_and_name_the_key(kw, needle):
+    with pytest.raises(ValueError) as e:
+        AdamWOptions.from_group(kw)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sgd_options_and_ignored_torch_keys():
+    o = SGDOptions.from_group(
+        {
+            "lr": 0.1,
+            "momentum_buffer": "bf16",
+            "fused": True,
+            "foreach": False,
+            "param_names": ["a"],
+            "initial_lr": 0.1,
+        }
+    )
+    assert o.momentum == 0.9
+    with pytest.raises(ValueError, match="momentum=0"):
+        SGDOptions.from_group({"lr": 0.1, "momentum": 0})
