@@ -59,7 +59,9 @@ def exit_code(checks: list[Check]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lbt-doctor", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="lbt-doctor", description=__doc__.split("\n\n")[1], allow_abbrev=False
+    )
     parser.add_argument("--config-file", default=os.environ.get("CONFIG_FILE"), help="the run's TOML")
     parser.add_argument("--recipe", action="append", default=[], help="also check this recipe (repeatable)")
     ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
