@@ -1,6 +1,10 @@
 """Elementwise rounding of fp32 values onto a format's grid (no scaling).
 
-Numerics (all vectorised, fp32): for |x| in binade E = clamp(floor(log2|x|), emin, emax) the grid spacing is
+Two implementations, both held bit for bit to ``reference.ref_round`` in tests:
+
+- fast round-half-even (``_rne_magic``): one fp32 add and subtract of a per-element power of two, used for
+  "nearest" on fp16, fp8, fp6, fp4 and generic eXmY; bf16 / fp32 "nearest" use torch's own casts.
+- generic (every rounding mode, every format): for |x| in binade E = clamp(floor(log2|x|), emin, emax) the grid spacing is
 2**(E - mbits). ``v = |x| * 2**(mbits - E)`` is exact (a power-of-two product), the grid points are the
 integers, and rounding ``v`` to an integer is the whole job: ``torch.round`` (ties to even),
 ``torch.trunc`` (toward zero) or ``floor(v) + (u < frac(v))`` (stochastic). ``floor(log2|x|)`` is read
@@ -15,6 +19,9 @@ from typing import Literal
 import torch
 
 from .table import FloatFormat, Format, IntFormat, get_format
+
+FAST_NEAREST = True
+"""Use the fast nearest paths (tests switch this off to hold the generic path to the reference too)."""
 
 Rounding = Literal["nearest", "stochastic", "toward_zero"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "toward_zero")
@@ -68,6 +75,34 @@ def _round_float_magnitude(a: torch.Tensor, fmt: FloatFormat, rounding: str, gen
     return _scale_pow2(r, -k, split)
 
 
+def _magic_ok(fmt: FloatFormat) -> bool:
+    # Needs a < C (mbits <= 22), C finite for a up to 2**(emax+2), and a subnormal grid below emin.
+    return 1 <= fmt.mbits <= 22 and fmt.subnormals and fmt.emax + 2 + 23 - fmt.mbits <= 127
+
+
+def _rne_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round-half-even of magnitudes a (fp32, modified in place) by one fp32 add and subtract.
+
+    With C = 2**(max(floor(log2 a), emin) + 23 - mbits), a < C, so a + C lies in [C, 2C) where the fp32 spacing
+    is exactly the format's spacing 2**(E - mbits): the hardware's round-half-even add does the rounding and
+    subtracting C is exact. C is built from a's exponent field. Everything above 2**(emax+2) overflows
+    anyway, so a is clamped there first (keeps C finite; NaN passes through). No multiply, so FMA
+    contraction cannot change it; it relies on the compiler not reassociating (a + C) - C (inductor
+    compiles without -funsafe-math-optimizations).
+    """
+    a.clamp_max_(2.0 ** (fmt.emax + 2))
+    c = (a.view(torch.int32) & 0x7F800000).clamp_min_((fmt.emin + 127) << 23)
+    c = c.add_((23 - fmt.mbits) << 23).view(torch.float32)
+    return a.add_(c).sub_(c)
+
+
+def _round_nearest_native(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    # bf16 / fp32: torch's own cast is round-half-even with subnormals; overflow becomes inf (> max).
+    if fmt.torch_dtype == torch.float32:
+        return a
+    return a.to(fmt.torch_dtype).to(torch.float32)
+
+
 def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """Apply the overflow rule to a rounded magnitude y (NaN stays NaN)."""
     if saturate or fmt.saturates_always:
@@ -85,9 +120,13 @@ def _unsigned_fixups(y: torch.Tensor, x: torch.Tensor, fmt: FloatFormat) -> torc
 
 
 def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool, generator=None):
-    """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule."""
+    """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule (a may be overwritten)."""
     if isinstance(fmt, IntFormat):
         y = _round_int(a, rounding, generator)
+    elif rounding == "nearest" and FAST_NEAREST and _magic_ok(fmt):
+        y = _rne_magic(a, fmt)
+    elif rounding == "nearest" and FAST_NEAREST and fmt.torch_dtype in (torch.float32, torch.bfloat16):
+        y = _round_nearest_native(a, fmt)
     else:
         y = _round_float_magnitude(a, fmt, rounding, generator)
     return _overflow(y, fmt, saturate)
