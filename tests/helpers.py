@@ -48,6 +48,22 @@ def write_toml(path: Path, base: Path = DEBUG_TOML, **sections) -> Path:
     return path
 
 
+def train_command(folder: Path, *args: str, nproc: int = 1, config: Path | None = None) -> list[str]:
+    """The torchrun command line of ``train`` (small debug shape, metrics every step, no TensorBoard)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0", "--role=rank", "--tee=3",
+        "-m", "low_bits_training.titan.launch", "--config-file", str(config or DEBUG_TOML),
+        "--dump_folder", str(folder), "--training.local_batch_size", "2", "--training.seq_len", "128",
+        "--metrics.log_freq", "1", "--metrics.no-enable-tensorboard", *args,
+    ]  # fmt: skip
+
+
+def train_env(nproc: int = 1, env: dict | None = None) -> dict:
+    threads = "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
+    return dict(os.environ, OMP_NUM_THREADS=threads, **(env or {}))
+
+
 def train(
     tmp_path: Path,
     *args: str,
@@ -62,37 +78,10 @@ def train(
     Extra ``args`` are command-line overrides. The markov corpus is shared across tests (repo assets folder).
     """
     folder = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=localhost:0",
-        "--local-ranks-filter=0",
-        "--role=rank",
-        "--tee=3",
-        "-m",
-        "low_bits_training.titan.launch",
-        "--config-file",
-        str(config or DEBUG_TOML),
-        "--dump_folder",
-        str(folder),
-        "--training.local_batch_size",
-        "2",
-        "--training.seq_len",
-        "128",
-        "--metrics.log_freq",
-        "1",
-        "--metrics.no-enable-tensorboard",
-        *args,
-    ]
-    e = dict(
-        os.environ,
-        OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-        **(env or {}),
+    cmd = train_command(folder, *args, nproc=nproc, config=config)
+    p = subprocess.run(
+        cmd, cwd=REPO, env=train_env(nproc, env), capture_output=True, text=True, timeout=timeout
     )
-    p = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     run = Run(p.returncode, p.stdout + p.stderr, folder)
     if check and p.returncode != 0:
         raise AssertionError(f"training failed ({p.returncode}):\n{run.log[-6000:]}")
