@@ -7,8 +7,11 @@ from low_bits_training.config.plan_table import format_plan, plan_to_json
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.config.tree import ConfigError, build_dataclass
 
-LAYERS = {f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)
-          for i in range(4) for n in ("attention.wqkv", "feed_forward.w1")}
+LAYERS = {
+    f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)
+    for i in range(4)
+    for n in ("attention.wqkv", "feed_forward.w1")
+}
 LAYERS["lm_head"] = LayerShape(256, 2048, 256)
 
 
@@ -26,11 +29,14 @@ def test_recipe_defaults_and_skip():
 
 
 def test_rules_apply_in_order_with_first_last_n():
-    cfg = QuantizeConfig(recipe="mxfp8", rules=[
-        QuantRule(first_n=1, last_n=1, roles=["wgrad.*"], format="e5m2"),
-        QuantRule(layers=["layers.3.*"], roles=["*.weight"], format="high"),
-        QuantRule(roles=["dgrad.grad_output"], rounding="stochastic"),
-    ])
+    cfg = QuantizeConfig(
+        recipe="mxfp8",
+        rules=[
+            QuantRule(first_n=1, last_n=1, roles=["wgrad.*"], format="e5m2"),
+            QuantRule(layers=["layers.3.*"], roles=["*.weight"], format="high"),
+            QuantRule(roles=["dgrad.grad_output"], rounding="stochastic"),
+        ],
+    )
     plans = resolve_plan(cfg, LAYERS)
     assert spec(plans, "layers.0.feed_forward.w1", "wgrad.input") == "e5m2/block32@0(e8m0,rceil)/rne"
     assert spec(plans, "layers.1.feed_forward.w1", "wgrad.input") == "e4m3/block32@0(e8m0,rceil)/rne"
@@ -40,18 +46,36 @@ def test_rules_apply_in_order_with_first_last_n():
     assert plans["lm_head"].is_high_precision  # skip wins over rules
 
 
-@pytest.mark.parametrize(("cfg", "message"), [
-    (QuantizeConfig(recipe="fp9"), "quantize.recipe = 'fp9': expected one of bf16, fp8_tensorwise"),
-    (QuantizeConfig(backend="gpu"), "quantize.backend = 'gpu': expected one of emulate, real, auto"),
-    (QuantizeConfig(rules=[QuantRule(format="e9m9")]), "quantize.rules[0]: unknown format 'e9m9'"),
-    (QuantizeConfig(rules=[QuantRule(layers=["layers.*.attn.*"])]), "quantize.rules[0].layers: 'layers.*.attn.*'"),
-    (QuantizeConfig(rules=[QuantRule(roles=["backward.*"])]), "quantize.rules[0].roles: 'backward.*' matches no"),
-    (QuantizeConfig(rules=[QuantRule(first_n=9)]), "quantize.rules[0].first_n/last_n = 9/0: expected 0..4"),
-    (QuantizeConfig(rules=[QuantRule(format="e4m3", scaling="rows")]), "quantize.rules[0]: QuantSpec.scaling='rows'"),
-    (QuantizeConfig(skip=["output"]), "quantize.skip: 'output' matches no linear layer"),
-    (QuantizeConfig(recipe="mxfp8", rules=[QuantRule(block_size=48)]), "block_size=48 does not divide"),
-    (QuantizeConfig(recipe="mxfp8", backend="real"), "quantize.backend = 'real': layers.0.attention.wqkv forward"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (QuantizeConfig(recipe="fp9"), "quantize.recipe = 'fp9': expected one of bf16, fp8_tensorwise"),
+        (QuantizeConfig(backend="gpu"), "quantize.backend = 'gpu': expected one of emulate, real, auto"),
+        (QuantizeConfig(rules=[QuantRule(format="e9m9")]), "quantize.rules[0]: unknown format 'e9m9'"),
+        (
+            QuantizeConfig(rules=[QuantRule(layers=["layers.*.attn.*"])]),
+            "quantize.rules[0].layers: 'layers.*.attn.*'",
+        ),
+        (
+            QuantizeConfig(rules=[QuantRule(roles=["backward.*"])]),
+            "quantize.rules[0].roles: 'backward.*' matches no",
+        ),
+        (
+            QuantizeConfig(rules=[QuantRule(first_n=9)]),
+            "quantize.rules[0].first_n/last_n = 9/0: expected 0..4",
+        ),
+        (
+            QuantizeConfig(rules=[QuantRule(format="e4m3", scaling="rows")]),
+            "quantize.rules[0]: QuantSpec.scaling='rows'",
+        ),
+        (QuantizeConfig(skip=["output"]), "quantize.skip: 'output' matches no linear layer"),
+        (QuantizeConfig(recipe="mxfp8", rules=[QuantRule(block_size=48)]), "block_size=48 does not divide"),
+        (
+            QuantizeConfig(recipe="mxfp8", backend="real"),
+            "quantize.backend = 'real': layers.0.attention.wqkv forward",
+        ),
+    ],
+)
 def test_one_line_errors(cfg, message):
     with pytest.raises(ConfigError) as e:
         resolve_plan(cfg, LAYERS)
@@ -74,8 +98,11 @@ def test_backends_real_and_auto():
 
 
 def test_toml_shape_builds_through_the_tree_layer():
-    cfg = build_dataclass(QuantizeConfig, {"recipe": "nvfp4", "rules": [
-        {"layers": ["layers.0.*"], "roles": ["*"], "format": "high"}]}, "quantize")
+    cfg = build_dataclass(
+        QuantizeConfig,
+        {"recipe": "nvfp4", "rules": [{"layers": ["layers.0.*"], "roles": ["*"], "format": "high"}]},
+        "quantize",
+    )
     plans = resolve_plan(cfg, LAYERS)
     assert plans["layers.0.attention.wqkv"].is_high_precision
     assert spec(plans, "layers.1.attention.wqkv", "forward.weight") == "e2m1/tile16x16(ue4m3,exact+t32)/rne"
