@@ -19,6 +19,7 @@ from low_bits_training.cli.grid import NPROC, Grid, parse_value
 from low_bits_training.cli.summary import RunStats, markdown, run_stats, write_csv
 from low_bits_training.cli.sweep import run_points
 
+SUPERLINEAR = 1.2  # efficiency above this is a measurement problem, not a speedup
 HEADER = ("processes", "tok/s/proc", "tok/s total", "speedup", "efficiency", "final loss", "peak GiB/proc")
 
 
@@ -54,10 +55,16 @@ def verdict(stats: dict[int, RunStats | None]) -> str:
         return "fewer than two process counts finished: no comparison"
     (n0, t0), (n1, t1) = min(done.items()), max(done.items())
     faster = "faster" if t1 > t0 else "NOT faster"
-    return (
-        f"{n1} processes: {t1 / t0:.2f}x the total tokens/s of {n0} ({t1 / t0 / (n1 / n0):.0%} scaling "
+    efficiency = t1 / t0 / (n1 / n0)
+    line = (
+        f"{n1} processes: {t1 / t0:.2f}x the total tokens/s of {n0} ({efficiency:.0%} scaling "
         f"efficiency): more processes made training {faster}"
     )
+    if efficiency > SUPERLINEAR:  # weak scaling cannot beat linear by much: something else slowed a run
+        line += (
+            "; superlinear: other load on the machine likely slowed the smaller run, rerun when it is idle"
+        )
+    return line
 
 
 def report(grid: Grid, out: Path) -> str:

@@ -20,7 +20,8 @@ class RunStats:
     losses: dict[int, float]
     """Step -> loss."""
     tps: float
-    """Tokens/s per process, mean over logged steps after the first (warm-up and compile excluded)."""
+    """Tokens/s per process: median over logged steps after the first (warm-up and compile excluded; the
+    median shrugs off steps slowed by other jobs on a shared machine)."""
     peak_gib: float
     """Peak reserved memory (GiB; on CPU the process's peak RSS)."""
 
@@ -44,7 +45,7 @@ def run_stats(folder: str | Path) -> RunStats | None:
     tps = [float(r[TPS]) for r in rows if TPS in r]
     steady = tps[1:] or tps
     peak = max((float(r[MEMORY]) for r in rows if MEMORY in r), default=math.nan)
-    return RunStats(losses, statistics.fmean(steady) if steady else math.nan, peak)
+    return RunStats(losses, statistics.median(steady) if steady else math.nan, peak)
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:

@@ -144,6 +144,25 @@ def test_seeds_pool_into_mean_std_and_paired_delta(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 10_000
 
 
+def test_scaling_verdict():
+    run = lambda tps: scaling.RunStats({1: 8.0}, tps, 1.0)  # noqa: E731
+    assert scaling.verdict({1: run(100), 2: run(90)}).endswith(
+        "(90% scaling efficiency): more processes made training faster"
+    )
+    assert "NOT faster" in scaling.verdict({1: run(100), 2: run(40)})
+    assert "superlinear" in scaling.verdict({1: run(50), 2: run(300)})
+    assert scaling.verdict({1: run(100), 2: None}).startswith("fewer than two")
+    assert scaling.scaling_cells({1: run(100), 2: run(90)})[1] == (
+        "2",
+        "90",
+        "180",
+        "1.80x",
+        "90%",
+        "8.0000",
+        "1.00",
+    )
+
+
 def test_grid_file_and_cli(tmp_path):
     f = tmp_path / "g.toml"
     f.write_text(
