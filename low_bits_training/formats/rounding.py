@@ -52,11 +52,11 @@ def _scale_pow2(a: torch.Tensor, k: torch.Tensor, split: bool) -> torch.Tensor:
 
 
 def _round_int(v: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Round non-negative v to an integer-valued fp32 tensor."""
+    """Round non-negative v to an integer-valued fp32 tensor (v may be overwritten)."""
     if rounding == "nearest":
-        return torch.round(v)  # round half to even
+        return v.round_()  # round half to even
     if rounding == "toward_zero":
-        return torch.trunc(v)
+        return v.trunc_()
     floor = torch.floor(v)
     u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
     return floor + (u < (v - floor)).to(torch.float32)  # v - floor is exact: P(up) = frac(v)
@@ -85,13 +85,13 @@ def _rne_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
     With C = 2**(max(floor(log2 a), emin) + 23 - mbits), a < C, so a + C lies in [C, 2C) where the fp32 spacing
     is exactly the format's spacing 2**(E - mbits): the hardware's round-half-even add does the rounding and
-    subtracting C is exact. C is built from a's exponent field. Everything above 2**(emax+2) overflows
-    anyway, so a is clamped there first (keeps C finite; NaN passes through). No multiply, so FMA
+    subtracting C is exact. C is built from a's exponent field, clamped at 2**(emax + 2 + 23 - mbits) so it
+    stays finite: larger a (which overflow anyway) then round at their own fp32 spacing and stay above max;
+    inf and NaN pass through. No multiply, so FMA
     contraction cannot change it; it relies on the compiler not reassociating (a + C) - C (inductor
     compiles without -funsafe-math-optimizations).
     """
-    a.clamp_max_(2.0 ** (fmt.emax + 2))
-    c = (a.view(torch.int32) & 0x7F800000).clamp_min_((fmt.emin + 127) << 23)
+    c = (a.view(torch.int32) & 0x7F800000).clamp_((fmt.emin + 127) << 23, (fmt.emax + 129) << 23)
     c = c.add_((23 - fmt.mbits) << 23).view(torch.float32)
     return a.add_(c).sub_(c)
 
@@ -106,7 +106,7 @@ def _round_nearest_native(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """Apply the overflow rule to a rounded magnitude y (NaN stays NaN)."""
     if saturate or fmt.saturates_always:
-        return torch.clamp_max(y, fmt.max)  # clamp propagates NaN
+        return y.clamp_max_(fmt.max)  # clamp propagates NaN
     over = torch.tensor(float("inf") if fmt.has_inf else float("nan"), device=y.device)
     return torch.where(y > fmt.max, over, y)
 
@@ -162,7 +162,17 @@ def round_to(
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
     xf = x.to(torch.float32)
-    y = round_magnitude(xf.abs(), fmt, rounding, saturate, generator).copysign_(xf)
+    return round_signed_(xf.abs(), xf, fmt, rounding, saturate, generator).to(x.dtype)
+
+
+def round_signed_(
+    a: torch.Tensor, sign: torch.Tensor, fmt: Format, rounding: str, saturate: bool, generator=None
+):
+    """Round magnitudes ``a`` (fp32, overwritten: pass a tensor you own) and give them the signs of ``sign``.
+
+    The in-place form of ``round_to`` used by the scaled paths: ``a = (x / scale).abs_()``, ``sign = x``.
+    """
+    y = round_magnitude(a, fmt, rounding, saturate, generator).copysign_(sign)
     if not fmt.signed:
-        y = _unsigned_fixups(y.abs_(), xf, fmt)
-    return y.to(x.dtype)
+        y = _unsigned_fixups(y.abs_(), sign, fmt)
+    return y

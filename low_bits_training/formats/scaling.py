@@ -68,10 +68,20 @@ def grouped_shape(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple[int, .
 
 
 def group_amax(xg: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """amax of |x| over ``dims`` (keepdim), as fp32. NaN anywhere in a group gives NaN."""
+    """amax of |x| over ``dims`` (keepdim), as fp32. NaN anywhere in a group gives NaN.
+
+    Built from ``torch.aminmax`` (one read of x, no |x| temporary); further dims are reduced on the small
+    partial result.
+    """
     if not dims:
         return torch.ones((1,) * xg.dim(), dtype=torch.float32, device=xg.device)
-    return torch.amax(xg.abs(), dim=dims, keepdim=True).to(torch.float32)
+    if len(dims) == xg.dim():
+        mn, mx = torch.aminmax(xg)
+        return torch.maximum(-mn, mx).abs_().to(torch.float32).reshape((1,) * xg.dim())
+    for d in sorted(dims, reverse=True):
+        mn, mx = torch.aminmax(xg, dim=d, keepdim=True)
+        xg = torch.maximum(-mn, mx)
+    return xg.abs_().to(torch.float32)
 
 
 def _pow2_exponent(amax: torch.Tensor, spec: QuantSpec, max_elem: float, emax_elem: int) -> torch.Tensor:
