@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, observe
 from .cast import ShardGroups, cast
 from .roles import ROLES, LinearPlan
 
@@ -53,6 +53,7 @@ def run_gemm(gemm: str, tensors: dict[str, torch.Tensor], plan: LinearPlan, shar
     sa, sb = plan.specs[op.a], plan.specs[op.b]
     a, b = tensors[ra.operand], tensors[rb.operand]
     ga, gb = shards.get(ra.operand, ()), shards.get(rb.operand, ())
+    observe.emit(((ra, a, sa), (rb, b, sb)))  # statistics / NaN checks (no-op unless installed)
     if plan.backend(gemm) == "real" and (sa is not None or sb is not None):
         return kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
     a, b = cast(a, sa, ga), cast(b, sb, gb)
