@@ -19,3 +19,12 @@ def llama3_1b() -> Trainer.Config:
     config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
     config.hf_assets_path = "./assets/hf/Llama-3.2-1B"
     return config
+
+
+def llama3_tiny() -> Trainer.Config:
+    """The debug model cut to its first 2 layers: the fastest real Llama 3 for smoke tests on CPU."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    config.model_spec.model.layers = config.model_spec.model.layers[:2]
+    return config

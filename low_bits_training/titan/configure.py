@@ -20,7 +20,9 @@ from typing import Any
 
 import tomli_w
 
+from low_bits_training.config.secrets import redact, redact_argv
 from low_bits_training.config.tree import ConfigError, apply_dict, diff, public_fields
+from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
 from low_bits_training.titan.metrics import LowBitsMetricsProcessor
 from low_bits_training.titan.trainer import JobConfig, LowBitsTrainer
 
@@ -64,6 +66,7 @@ def resolve_base(base: str) -> LowBitsTrainer.Config:
         raise ConfigError(f"job.base = {base!r}: returned {type(cfg).__name__}, not a Trainer.Config")
     cfg = upgrade(cfg, LowBitsTrainer.Config)
     cfg.metrics = upgrade(cfg.metrics, LowBitsMetricsProcessor.Config)
+    cfg.checkpoint = upgrade(cfg.checkpoint, LowBitsCheckpointManager.Config)
     return cfg
 
 
@@ -153,10 +156,10 @@ def save_resolved(config: LowBitsTrainer.Config, folder: str | os.PathLike, argv
         "# Rerun: CONFIG_FILE=<this file> ./run_llama_train.sh\n"
     )
     header += "".join(f"# not representable in TOML (left at the base's value): {k}\n" for k in lost)
-    body = tomli_w.dumps(_redact(changed))
+    body = tomli_w.dumps(redact(changed))
     (folder / "config.toml").write_text(header + body)
-    (folder / "config.json").write_text(json.dumps(_redact(config.to_dict()), indent=2, default=repr) + "\n")
-    (folder / "command.txt").write_text(" ".join(argv) + "\n")
+    (folder / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2, default=repr) + "\n")
+    (folder / "command.txt").write_text(" ".join(redact_argv(argv)) + "\n")
     return folder / "config.toml"
 
 
@@ -166,25 +169,6 @@ def _pop_untomlable(d: dict[str, Any], where: str = "") -> list[str]:
         if isinstance(v, dict):
             lost += _pop_untomlable(v, f"{where}.{k}" if where else k)
     return lost
-
-
-_SECRET_WORDS = ("token", "api_key", "apikey", "password", "secret")
-
-
-def _redact(d: Any) -> Any:
-    # Credentials never reach a saved file: any key that names one is replaced.
-    if isinstance(d, dict):
-        return {
-            k: (
-                "<redacted>"
-                if any(w in str(k).lower() for w in _SECRET_WORDS) and isinstance(v, str)
-                else _redact(v)
-            )
-            for k, v in d.items()
-        }
-    if isinstance(d, list):
-        return [_redact(x) for x in d]
-    return d
 
 
 def top_level_sections() -> list[str]:

@@ -1,0 +1,105 @@
+"""Issue 8: killed runs resume from their last complete checkpoint, exactly; damaged or foreign checkpoints
+are refused with the reason; same seed, same losses."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, train, train_command, train_env
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--training.steps", "6", "--checkpoint.interval", "2")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: the losses and checkpoints every other run is compared with."""
+    return train(tmp_path_factory.mktemp("ref"), *ARGS)
+
+
+def _kill_when(folder: Path, ready, timeout: float = 300.0) -> None:
+    # Start training in its own process group and SIGKILL the whole group the moment ready(folder) holds.
+    p = subprocess.Popen(train_command(folder, *ARGS), cwd=REPO, env=train_env(), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready(folder):
+            assert p.poll() is None, "training ended before the kill point"
+            assert time.monotonic() < deadline, "kill point never reached"
+            time.sleep(0.002)
+        os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+
+
+def _complete(folder: Path) -> list[int]:
+    ck = folder / "checkpoint"
+    return sorted(int(d.name[5:]) for d in ck.glob("step-*") if (d / ".metadata").exists()) if ck.exists() else []
+
+
+def _metrics_steps(folder: Path) -> list[int]:
+    f = folder / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def _mid_step(rng):
+    # After the checkpoint of step 2 and a random number of further logged steps (0-2), mid-way through a step.
+    extra = rng.randint(0, 2)
+    return lambda f: 2 in _complete(f) and len(_metrics_steps(f)) >= 2 + extra
+
+
+def _mid_checkpoint_write(_rng):
+    # While step-4 is being written: its folder exists, its .metadata does not yet.
+    return lambda f: (f / "checkpoint" / "step-4").is_dir() and not (f / "checkpoint" / "step-4" / ".metadata").exists()
+
+
+@pytest.mark.parametrize("kill_point", [_mid_step, _mid_checkpoint_write], ids=["mid-step", "mid-checkpoint-write"])
+def test_killed_run_resumes_from_last_complete_checkpoint_to_the_same_losses(tmp_path, reference, kill_point):
+    folder = tmp_path / "run"
+    _kill_when(folder, kill_point(random.Random(os.getpid())))
+    last = max(_complete(folder))
+    if kill_point is _mid_checkpoint_write:
+        assert last == 2 and (folder / "checkpoint" / "step-4").is_dir()  # the half-written one is still there
+    resumed = train(tmp_path, *ARGS)
+    assert f"Loading the checkpoint from {folder}/checkpoint/step-{last}." in resumed.log, resumed.log[-3000:]
+    assert f"Training starts at step {last + 1}" in resumed.log, resumed.log[-3000:]
+    assert resumed.losses == reference.losses  # to the bit: data position, RNG and optimizer state restored
+
+
+def test_same_seed_same_losses(tmp_path, reference):
+    again = train(tmp_path, *ARGS)
+    assert again.losses == reference.losses
+
+
+def _resume_copy(reference, tmp_path, step: int) -> Path:
+    # A run folder holding only the reference's checkpoint of `step`: resuming it starts at step + 1.
+    folder = tmp_path / "run"
+    shutil.copytree(reference.folder / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    return folder
+
+
+def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, reference):
+    folder = _resume_copy(reference, tmp_path, 4)
+    victim = max((p for p in (folder / "checkpoint" / "step-4").iterdir() if p.suffix == ".distcp"),
+                 key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    run = train(tmp_path, *ARGS, check=False)
+    assert run.returncode != 0
+    assert f"checkpoint {folder}/checkpoint/step-4 is damaged: {victim.name} has" in run.log
+    assert not any("step:  5" in ln for ln in run.log.splitlines())  # nothing trained on a damaged state
+
+
+def test_checkpoint_of_another_model_is_refused_with_the_reason(tmp_path, reference):
+    _resume_copy(reference, tmp_path, 4)
+    run = train(tmp_path, *ARGS, "--job.base", "low_bits_training.titan.bases:llama3_tiny", check=False)
+    assert run.returncode != 0
+    assert "belongs to another run shape (model." in run.log and "checkpoint has" in run.log
