@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         from low_bits_training.titan.quantize import save_plan
 
         save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
-    run(config)
-    return 0
+    from low_bits_training.titan.numerics import exit_on_nonfinite
+
+    return exit_on_nonfinite(run, config)  # [numerics] nonfinite = "stop": one line, exit code 3
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.plan import QuantizeConfig
+from low_bits_training.titan.numerics import NumericsConfig, extras_for
+from low_bits_training.titan.profiling import ProfilingConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,3 +36,21 @@ class LowBitsTrainer(Trainer):
         quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
         """``[quantize]``: the precision plan, a number format per GEMM operand of each linear layer
         (recipe, backend, skip, rules; see docs/precision_plan.md)."""
+        numerics: NumericsConfig = field(default_factory=NumericsConfig)
+        """``[numerics]``: quantization statistics every N steps, NaN / Inf policy (docs/numerics.md)."""
+        profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+        """``[profiling]``: extras beside torchtitan's ``[profiler]``: FLOP table, CPU memory timeline."""
+
+        def __post_init__(self) -> None:
+            Trainer.Config.__post_init__(self)
+            self.numerics.check()
+            self.profiling.check()
+
+    def train_step(self, data_iterator):
+        """torchtitan's step between the numerics / profiling bookkeeping (see titan/numerics.py)."""
+        with extras_for(self).step(self.step):
+            super().train_step(data_iterator)
+
+    def forward_backward_step(self, **kwargs):
+        """torchtitan's microbatch, then the loss / gradient / operand NaN checks and their policy."""
+        return extras_for(self).after_microbatch(super().forward_backward_step(**kwargs))
