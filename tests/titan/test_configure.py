@@ -103,14 +103,18 @@ def test_resolved_config_reruns_to_the_same_tree(tmp_path):
     ).read_text()
 
 
-def test_secrets_never_reach_saved_files(tmp_path, monkeypatch):
+def test_secrets_never_reach_saved_files_logs_or_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "sekrit-123")
     cfg = build_config(["--config-file", str(DEBUG_TOML)])
     assert cfg.metrics.enable_wandb  # the user set W&B up, so it is used
     cfg.optimizer.param_groups[0].optimizer_kwargs["hf_token"] = "hf_sekrit"
-    save_resolved(cfg, tmp_path, ["x"])
+    save_resolved(cfg, tmp_path, ["x", "--hf.token", "hf_sekrit2", "--wandb.api_key=sekrit3", "--training.steps", "4"])
     for f in tmp_path.iterdir():
         assert "sekrit" not in f.read_text(), f.name
+    assert "--training.steps 4" in (tmp_path / "command.txt").read_text()
+    # to_dict is what torchtitan prints (debug.print_config), saves and hands to W&B as the run config
+    kwargs = cfg.to_dict()["optimizer"]["param_groups"][0]["optimizer_kwargs"]
+    assert kwargs["hf_token"] == "<redacted>" and kwargs["lr"] == 3e-3
 
 
 def test_wandb_stays_out_of_the_way_without_credentials(tmp_path):
