@@ -55,9 +55,9 @@ def run_gemm(gemm: str, tensors: dict[str, torch.Tensor], plan: LinearPlan, shar
     ga, gb = shards.get(ra.operand, ()), shards.get(rb.operand, ())
     observe.emit(((ra, a, sa), (rb, b, sb)))  # statistics / NaN checks (no-op unless installed)
     if plan.backend(gemm) == "real" and (sa is not None or sb is not None):
-        return kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
+        return observe.output(gemm, kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb))
     a, b = cast(a, sa, ga), cast(b, sb, gb)
-    return (a.t() if op.a_t else a) @ (b.t() if op.b_t else b)
+    return observe.output(gemm, (a.t() if op.a_t else a) @ (b.t() if op.b_t else b))
 
 
 class QuantMatmul(torch.autograd.Function):

@@ -49,3 +49,26 @@ def emit(operands: tuple[tuple[Role, torch.Tensor, QuantSpec | None], ...]) -> N
     for role, t, spec in operands:
         for fn in _observers:
             fn(_module[0], role, t, spec)
+
+
+OutputObserver = Callable[[str, str, torch.Tensor], None]
+"""``fn(module_fqn, gemm, product)``: a GEMM's fp32 product (``"forward"`` | ``"dgrad"`` | ``"wgrad"``)."""
+
+_output_observers: list[OutputObserver] = []
+
+
+def add_output(fn: OutputObserver) -> Callable[[], None]:
+    """Install an observer of GEMM products (where an overflow inside the quantized GEMM first shows).
+
+    Returns:
+        A function that removes it again.
+    """
+    _output_observers.append(fn)
+    return lambda: _output_observers.remove(fn) if fn in _output_observers else None
+
+
+def output(gemm: str, y: torch.Tensor) -> torch.Tensor:
+    """Report a GEMM's product to every output observer; returns ``y`` unchanged."""
+    for fn in _output_observers:
+        fn(_module[0], gemm, y)
+    return y
