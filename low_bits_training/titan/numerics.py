@@ -117,8 +117,8 @@ class NumericsMonitor:
                     self._undo.append(
                         mod.register_full_backward_pre_hook(lambda m, g, n=name: observe.set_module(n))
                     )
-        remove = observe.add(self._observe)
-        self._undo.append(type("H", (), {"remove": staticmethod(remove)})())
+        for remove in (observe.add(self._observe), observe.add_output(self._observe_output)):
+            self._undo.append(type("H", (), {"remove": staticmethod(remove)})())
 
     def close(self) -> None:
         """Remove the hooks and the observer."""
@@ -134,6 +134,10 @@ class NumericsMonitor:
             key, raw = (fqn, role.name), operand_stats(t, spec)
             self.raw[key] = combine(self.raw[key], raw) if key in self.raw else raw
             self.specs[key] = spec.short()
+
+    def _observe_output(self, fqn: str, gemm: str, y: torch.Tensor) -> None:
+        if self.cfg.nonfinite != "off":
+            self.tracker.check(fqn, f"{gemm}.output", _local(y))
 
     def begin_step(self, step: int) -> None:
         """Start ``step``: decide whether it collects statistics; forget the last step's flags."""
