@@ -3,7 +3,8 @@
 Two implementations, both held bit for bit to ``reference.ref_round`` in tests:
 
 - fast round-half-even (``_rne_magic``): one fp32 add and subtract of a per-element power of two, used for
-  "nearest" on fp16, fp8, fp6, fp4 and generic eXmY; bf16 / fp32 "nearest" use torch's own casts.
+  "nearest" on fp16, fp8, fp6, fp4 and generic eXmY; bf16 and other e8mY use integer rounding of the fp32
+  bit pattern (``_rne_bits``).
 - generic (every rounding mode, every format): for |x| in binade E = clamp(floor(log2|x|), emin, emax) the grid spacing is
 2**(E - mbits). ``v = |x| * 2**(mbits - E)`` is exact (a power-of-two product), the grid points are the
 integers, and rounding ``v`` to an integer is the whole job: ``torch.round`` (ties to even),
@@ -96,11 +97,25 @@ def _rne_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return a.add_(c).sub_(c)
 
 
-def _round_nearest_native(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    # bf16 / fp32: torch's own cast is round-half-even with subnormals; overflow becomes inf (> max).
-    if fmt.torch_dtype == torch.float32:
+def _bits_ok(fmt: FloatFormat) -> bool:
+    # 8 exponent bits and subnormals: the format's grid is fp32's with the low 23 - mbits bits cleared.
+    return fmt.ebits == 8 and fmt.subnormals and 1 <= fmt.mbits <= 23
+
+
+def _rne_bits(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round-half-even of magnitudes a onto an e8mY grid (bf16, e8m3, ...) on the fp32 bit pattern.
+
+    Adding 2**(d-1) - 1 plus the kept lsb and clearing the low d = 23 - mbits bits rounds the significand,
+    carrying into the exponent (and to the inf pattern past max) as it should; fp32 subnormals are linear in
+    their bits, so the subnormal range is right too. (Not ``a.to(torch.bfloat16)``: inductor may fold such
+    a down-and-up cast pair away unless emulate_precision_casts is set.) NaN is restored explicitly.
+    """
+    d = 23 - fmt.mbits
+    if d == 0:
         return a
-    return a.to(fmt.torch_dtype).to(torch.float32)
+    b = a.view(torch.int32)
+    r = ((b >> d) & 1).add_(b).add_((1 << (d - 1)) - 1).bitwise_and_(-(1 << d)).view(torch.float32)
+    return torch.where(torch.isnan(a), a, r)
 
 
 def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
@@ -125,8 +140,8 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
         y = _round_int(a, rounding, generator)
     elif rounding == "nearest" and FAST_NEAREST and _magic_ok(fmt):
         y = _rne_magic(a, fmt)
-    elif rounding == "nearest" and FAST_NEAREST and fmt.torch_dtype in (torch.float32, torch.bfloat16):
-        y = _round_nearest_native(a, fmt)
+    elif rounding == "nearest" and FAST_NEAREST and _bits_ok(fmt):
+        y = _rne_bits(a, fmt)
     else:
         y = _round_float_magnitude(a, fmt, rounding, generator)
     return _overflow(y, fmt, saturate)
