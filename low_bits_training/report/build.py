@@ -1,0 +1,92 @@
+"""Build the report: PNG files and ``report.html`` (images embedded as base64, a numbers table)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+from typing import Any
+
+from . import figures
+from .runs import RunData, load_run
+
+COLUMNS = (
+    ("run", "run"),
+    ("steps", "steps"),
+    ("final_loss", "final loss"),
+    ("mean_tps", "mean tok/s"),
+    ("peak_memory_gib", "peak memory (GiB)"),
+    ("max_underflow", "max underflow"),
+    ("max_saturation", "max saturation"),
+    ("min_sqnr_db", "min SQNR (dB)"),
+)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "-" if math.isnan(v) else f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def unique_names(runs: list[RunData]) -> None:
+    """Runs whose folders share a name are told apart by their parent folder (``a/run``, ``b/run``)."""
+    names = [r.name for r in runs]
+    for r in runs:
+        if names.count(r.name) > 1:
+            r.name = f"{r.folder.resolve().parent.name}_{r.name}"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = "".join(f"<th>{label}</th>" for _, label in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(r[k])}</td>" for k, _ in COLUMNS) + "</tr>" for r in rows)
+    return f'<table id="numbers"><tr>{head}</tr>{body}</table>'
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<figure><img alt="{path.stem}" src="data:image/png;base64,{data}"><figcaption>{path.name}</figcaption></figure>'
+
+
+def build_report(folders: list[str | Path], out: str | Path) -> Path:
+    """Read the run folders, draw the figures into ``out`` and write ``out/report.html``.
+
+    Args:
+        folders: run folders (``<dump_folder>`` of each training run).
+        out: output folder (created).
+
+    Returns:
+        The path of ``report.html``.
+
+    Raises:
+        FileNotFoundError: a folder holds neither metrics.jsonl nor numerics.jsonl.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [load_run(f) for f in folders]
+    unique_names(runs)
+    shared = [
+        figures.loss_plot(runs, out),
+        figures.throughput_plot(runs, out),
+        figures.memory_plot(runs, out),
+    ]
+    per_run = {r.name: [figures.heatmap(r, m, out) for m in figures.HEAT_METRICS] for r in runs}
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>low-bits-training report</title>",
+        "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:4px 8px}"
+        "table{border-collapse:collapse}img{max-width:100%}</style></head><body>",
+        "<h1>low-bits-training report</h1>",
+        "<p>Runs: "
+        + ", ".join(f"<code>{html.escape(r.name)}</code> ({html.escape(str(r.folder))})" for r in runs),
+        "</p>",
+        _table([r.summary() for r in runs]),
+        "<h2>Training</h2>",
+        *(_img(p) for p in shared if p),
+    ]
+    for name, paths in per_run.items():
+        if any(paths):
+            parts += [f"<h2>Numerics: {html.escape(name)}</h2>", *(_img(p) for p in paths if p)]
+    parts.append("</body></html>")
+    page = out / "report.html"
+    page.write_text("\n".join(parts))
+    return page
