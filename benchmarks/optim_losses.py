@@ -90,7 +90,7 @@ def train(label: str, steps: int, work: Path) -> dict[int, float]:
         "--metrics.log_freq",
         "1",
         "--metrics.no-enable-tensorboard",
-        "--no-checkpoint.enable",
+        "--checkpoint.no-enable",
         "--debug.seed",
         "0",
     ]
