@@ -26,18 +26,36 @@ def reference(tmp_path_factory):
 
 
 def _kill_when(folder: Path, ready, timeout: float = 300.0) -> None:
-    # Start training in its own process group and SIGKILL the whole group the moment ready(folder) holds.
-    p = subprocess.Popen(train_command(folder, *ARGS), cwd=REPO, env=train_env(), start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Start training and SIGKILL every process of it the moment ready(folder) holds.
+    p = subprocess.Popen(train_command(folder, *ARGS), cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     try:
         while not ready(folder):
             assert p.poll() is None, "training ended before the kill point"
             assert time.monotonic() < deadline, "kill point never reached"
             time.sleep(0.002)
-        os.killpg(p.pid, signal.SIGKILL)
+        for pid in [*_descendants(p.pid), p.pid]:  # the trainer ranks first: torchrun starts them in new sessions
+            os.kill(pid, signal.SIGKILL)
     finally:
+        p.kill()
         p.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
 
 
 def _complete(folder: Path) -> list[int]:
