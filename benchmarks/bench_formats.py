@@ -6,7 +6,7 @@ our ``fake_quantize`` eager and under ``torch.compile``, torchao's equivalent em
 eager and compiled, and ``x.clone()`` (the memory floor: read + write of the same bytes). GB/s counts input
 bytes. Timings are the minimum over repetitions (robust to other load on a shared machine).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_formats.py [--quick] [--size 4096] [--reps 5]
+    OMP_NUM_THREADS=2 python benchmarks/bench_formats.py [--quick] [--size 4096] [--reps 3]
 """
 
 from __future__ import annotations
@@ -110,12 +110,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1024 x 4096 and four cases")
     ap.add_argument("--size", type=int, default=4096, help="rows and columns of the fp32 input")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per cell (minimum taken)")
     args = ap.parse_args()
     rows = 1024 if args.quick else args.size
     x = torch.randn(rows, args.size, generator=torch.Generator().manual_seed(0))
     nbytes = x.numel() * x.element_size()
     floor = timeit(lambda: x.clone(), args.reps * 2)
+    print(f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, input {tuple(x.shape)} fp32 "
           f"({nbytes / 2**20:.0f} MiB); clone (memory floor) {floor * 1e3:.1f} ms = {nbytes / floor / 1e9:.2f} GB/s")  # fmt: skip
     print("\ncells: time / input GB/s (x the clone time)\n")
@@ -126,6 +127,7 @@ def main() -> None:
         theirs = measure(x, ao, args.reps) if ao is not None else (None, None)
         cells = [_cell(t, nbytes, floor) for t in (*ours, *theirs)]
         print(f"| {label} | `{spec.short()}` | " + " | ".join(cells) + " |", flush=True)
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

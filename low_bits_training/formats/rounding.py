@@ -21,8 +21,8 @@ import torch
 
 from .table import FloatFormat, Format, IntFormat, get_format
 
-FAST_NEAREST = True
-"""Use the fast nearest paths (tests switch this off to hold the generic path to the reference too)."""
+FAST_PATHS = True
+"""Use the fast nearest / stochastic paths (tests switch this off to hold the generic path to the reference)."""
 
 Rounding = Literal["nearest", "stochastic", "toward_zero"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "toward_zero")
@@ -118,6 +118,26 @@ def _rne_bits(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return torch.where(torch.isnan(a), a, r)
 
 
+def _sr_bits(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
+    """Stochastic rounding of magnitudes a on the fp32 bit pattern (formats with 1 <= mbits <= 22).
+
+    Adding a uniform integer R in [0, 2**d) to the pattern and clearing the low d = 23 - mbits bits rounds up
+    with probability (low bits) / 2**d = the exact fractional position: the reference's rule with the draw
+    u = (2**d - 1 - R) / 2**d. Below the format's min normal the spacing is fixed, so a is first offset by
+    min_normal (one fp32 rounding at 2**(emin - 23), i.e. 2**-d of the spacing: values with bits finer than
+    that, deep in the subnormal range, see a bias below 2**-d of a spacing) and the offset is removed after.
+    """
+    d = 23 - fmt.mbits
+    r = torch.randint(0, 1 << d, a.shape, generator=generator, dtype=torch.int32, device=a.device)
+    if fmt.ebits == 8:  # e8mY: fp32's own subnormals are linear in the bits, no offset needed
+        y = r.add_(a.view(torch.int32)).bitwise_and_(-(1 << d)).view(torch.float32)
+        return torch.where(torch.isnan(a), a, y)
+    sub = a < fmt.min_normal
+    t = torch.where(sub, a + fmt.min_normal, a)
+    y = r.add_(t.view(torch.int32)).bitwise_and_(-(1 << d)).view(torch.float32)
+    return torch.where(sub, y - fmt.min_normal, torch.where(torch.isnan(a), a, y))
+
+
 def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """Apply the overflow rule to a rounded magnitude y (NaN stays NaN)."""
     if saturate or fmt.saturates_always:
@@ -138,10 +158,12 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
     """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule (a may be overwritten)."""
     if isinstance(fmt, IntFormat):
         y = _round_int(a, rounding, generator)
-    elif rounding == "nearest" and FAST_NEAREST and _magic_ok(fmt):
+    elif rounding == "nearest" and FAST_PATHS and _magic_ok(fmt):
         y = _rne_magic(a, fmt)
-    elif rounding == "nearest" and FAST_NEAREST and _bits_ok(fmt):
+    elif rounding == "nearest" and FAST_PATHS and _bits_ok(fmt):
         y = _rne_bits(a, fmt)
+    elif rounding == "stochastic" and FAST_PATHS and 1 <= fmt.mbits <= 22 and fmt.subnormals:
+        y = _sr_bits(a, fmt, generator)
     else:
         y = _round_float_magnitude(a, fmt, rounding, generator)
     return _overflow(y, fmt, saturate)

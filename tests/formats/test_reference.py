@@ -41,7 +41,7 @@ def _ref(x: torch.Tensor, name: str, rounding: str, saturate: bool) -> torch.Ten
 @pytest.fixture(params=["fast", "generic"])
 def impl(request, monkeypatch):
     """Run a test on the fast nearest paths and again on the generic exponent-based path."""
-    monkeypatch.setattr(rounding_mod, "FAST_NEAREST", request.param == "fast")
+    monkeypatch.setattr(rounding_mod, "FAST_PATHS", request.param == "fast")
     return request.param
 
 
@@ -62,12 +62,29 @@ def _int_probes() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "e8m0"])
-def test_stochastic_fast_equals_reference_given_the_same_draws(name):
-    # round_to draws u = torch.rand(shape, generator); the reference takes u explicitly.
+def test_stochastic_generic_equals_reference_given_the_same_draws(name, monkeypatch):
+    # The generic path draws u = torch.rand(shape, generator); the reference takes u explicitly.
+    monkeypatch.setattr(rounding_mod, "FAST_PATHS", False)
     x = probe_values(name, n_random=1000, seed=6)
     x = x[torch.isfinite(x) & (x >= 0)]
     got = round_to(x, name, "stochastic", generator=torch.Generator().manual_seed(7))
     u = torch.rand(x.shape, generator=torch.Generator().manual_seed(7)).tolist()
+    want = [ref_round(v, name, "stochastic", True, ui) for v, ui in zip(x.tolist(), u, strict=True)]
+    assert_same_bits(got, torch.tensor(want), name)
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "ue4m3", "e3m4", "bf16"])
+def test_stochastic_bits_path_equals_reference_given_the_same_draws(name):
+    # The fast path draws R = randint(0, 2**d) and rounds up iff low bits + R >= 2**d, i.e. the reference's
+    # rule with u = (2**d - 1 - R) / 2**d. Exact for inputs whose bits are no finer than 2**(emin - 23).
+    fmt = get_format(name)
+    x = probe_values(name, n_random=1000, seed=13)
+    x = x[torch.isfinite(x) & (x >= 0)]
+    x = x[(x >= fmt.min_normal) | (torch.fmod(x, 2.0 ** (fmt.emin - 23)) == 0)]
+    got = round_to(x, name, "stochastic", generator=torch.Generator().manual_seed(7))
+    d = 23 - fmt.mbits
+    r = torch.randint(0, 1 << d, x.shape, generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    u = ((2**d - 1 - r).double() / 2**d).tolist()
     want = [ref_round(v, name, "stochastic", True, ui) for v, ui in zip(x.tolist(), u, strict=True)]
     assert_same_bits(got, torch.tensor(want), name)
 
