@@ -33,8 +33,10 @@ class LowBitOptimizer(Optimizer):
             self.options(group)  # validate every group now, before any step
 
     def options(self, group: dict[str, Any]):
-        """The validated options of a param group (cached by the group's hyperparameters)."""
-        key = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names")))
+        """The validated options of a param group, cached by its hyperparameters except the LR (the scheduler
+        changes it every step; the update reads ``group["lr"]`` itself)."""
+        skip = ("params", "param_names", "lr", "initial_lr")
+        key = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in skip))
         if key not in self._options_cache:
             self._options_cache[key] = self.options_cls.from_group(group)
         return self._options_cache[key]
