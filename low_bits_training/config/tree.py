@@ -78,7 +78,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:  # noqa: C901 - one branch
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool), float(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
     if tp is str:
         return isinstance(value, str), value
     if isinstance(tp, type):

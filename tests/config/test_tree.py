@@ -78,6 +78,8 @@ def test_values_are_set_and_coerced():
         ({"ac": "partial"}, "ac = 'partial': expected one of 'full', 'none'"),
         ({"ac": {"kind": "none", "keep": True}}, "ac: choice 'none' takes no keys, got keep"),
         ({"name": 3}, "name = 3 (int): expected str"),
+        ({"inner": {"lr": []}}, "inner.lr = [] (list): expected float"),  # found by tests/test_bad_input.py
+        ({"inner": {"lr": ""}}, "inner.lr = '' (str): expected float"),
     ],
 )
 def test_every_error_is_one_line_naming_key_value_and_allowed(data, message):
