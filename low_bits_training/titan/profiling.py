@@ -57,6 +57,24 @@ def _path(folder: str, sub: str, step: int, ext: str) -> str:
     return os.path.join(d, f"step_{step}_rank{_rank()}.{ext}")
 
 
+def format_flop_table(counts: dict, depth: int) -> str:
+    """A plain-text table ``module | GFLOP | % | ops`` of FlopCounterMode's per-module counts.
+
+    Args:
+        counts: ``{module: {op: flops}}`` (``FlopCounterMode.get_flop_counts()``; "Global" is the total).
+        depth: keep modules with at most this many dotted parts.
+    """
+    total = sum(counts.get("Global", {}).values()) or 1
+    lines = [f"{'module':<48} {'GFLOP':>10} {'%':>6}  ops", "-" * 90]
+    for mod, ops in counts.items():
+        if mod != "Global" and mod.count(".") >= depth:
+            continue
+        n = sum(ops.values())
+        top = ", ".join(str(op).removeprefix("aten.").split(".")[0] for op in ops)
+        lines.append(f"{mod:<48} {n / 1e9:>10.4f} {100 * n / total:>6.1f}  {top}")
+    return "\n".join(lines) + "\n"
+
+
 @contextlib.contextmanager
 def flop_table(folder: str, step: int, depth: int) -> Iterator[None]:
     """Count the FLOPs of the enclosed code per module; write the table and per-module totals.
@@ -69,9 +87,10 @@ def flop_table(folder: str, step: int, depth: int) -> Iterator[None]:
     mode = FlopCounterMode(display=False, depth=depth)
     with mode:
         yield
+    counts = mode.get_flop_counts()
     with open(_path(folder, FLOPS_DIR, step, "txt"), "w") as f:
-        f.write(mode.get_table(depth) + "\n")
-    totals = {mod: sum(ops.values()) for mod, ops in mode.get_flop_counts().items()}
+        f.write(format_flop_table(counts, depth))
+    totals = {mod: sum(ops.values()) for mod, ops in counts.items()}
     with open(_path(folder, FLOPS_DIR, step, "json"), "w") as f:
         json.dump({"step": step, "total": mode.get_total_flops(), "modules": totals}, f, indent=1)
     logger.info(
