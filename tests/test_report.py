@@ -1,0 +1,69 @@
+"""lbt-report from real run folders: two tiny trainings with statistics on, then the files and their numbers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, train, write_toml
+
+
+def _run(tmp_path, name, recipe):
+    cfg = write_toml(tmp_path / f"{name}.toml", quantize={"recipe": recipe}, numerics={"stats_freq": 1})
+    (tmp_path / name).mkdir()
+    return train(tmp_path / name, "--training.steps", "2", "--checkpoint.no-enable", config=cfg)
+
+
+@pytest.mark.slow
+def test_report_from_two_real_runs(tmp_path):
+    runs = [_run(tmp_path, "mx", "mxfp8"), _run(tmp_path, "int8", "int8")]
+    for run in runs:  # statistics reached numerics.jsonl and the metrics loggers
+        rows = [json.loads(x) for x in (run.folder / "numerics.jsonl").read_text().splitlines()]
+        assert {r["step"] for r in rows} == {1, 2}
+        assert len({(r["layer"], r["role"]) for r in rows}) >= 6 * 6 * 5  # 6 blocks x 5 linears x 6 roles
+        assert all(0 <= r["underflow"] < 0.3 and 15 < float(r["sqnr_db"]) < 60 for r in rows)
+        assert "numerics/forward.input/sqnr_db_min" in run.rows[0]
+    # int8 rows (7 bits below amax, no subnormals) flush far more small values than MXFP8 e4m3 (17 binades)
+    under = [max(json.loads(x)["underflow"] for x in (r.folder / "numerics.jsonl").open()) for r in runs]
+    assert under[1] > 0.05 > under[0]
+    out = tmp_path / "report"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "low_bits_training.cli.report",
+            *(str(r.folder) for r in runs),
+            "-o",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    page = (out / "report.html").read_text()
+    names = ["mx_run", "int8_run"]  # both folders are called "run": told apart by their parent
+    for png in ["loss.png", "throughput.png", "memory.png"] + [
+        f"{n}_{m}.png" for n in names for m in ("underflow", "saturation", "sqnr_db")
+    ]:
+        assert (out / png).stat().st_size > 10_000, png
+    imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(imgs) == 9 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
+    table = re.search(r'<table id="numbers">(.*?)</table>', page).group(1)
+    cells = re.findall(r"<tr>(.*?)</tr>", table)[1:]
+    assert [re.findall(r"<td>(.*?)</td>", c)[0] for c in cells] == names
+    for run, cell in zip(runs, cells, strict=True):
+        values = re.findall(r"<td>(.*?)</td>", cell)
+        assert values[1] == "2" and float(values[2]) == pytest.approx(run.losses[2], rel=1e-3)
+
+
+def test_report_missing_folder_is_one_line(tmp_path):
+    from low_bits_training.cli.report import main
+
+    assert main([str(tmp_path / "nope"), "-o", str(tmp_path / "o")]) == 2
