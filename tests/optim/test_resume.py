@@ -77,8 +77,14 @@ def test_stochastic_streams_depend_on_seed_and_step():
     kw = CASES["master_bf16_sr"]
     a, b = params(), params()
     run(_build(LowBitAdamW, a, kw), a, range(2))
-    opt = LowBitAdamW([{"params": b, "param_names": [f"layer.{i}.w" for i in range(len(SHAPES))]}],
-                      lr=1e-2, weight_decay=0.1, min_quantized_numel=0, seed=8, **kw)
+    opt = LowBitAdamW(
+        [{"params": b, "param_names": [f"layer.{i}.w" for i in range(len(SHAPES))]}],
+        lr=1e-2,
+        weight_decay=0.1,
+        min_quantized_numel=0,
+        seed=8,
+        **kw,
+    )
     run(opt, b, range(2))
     assert not torch.equal(a[0], b[0])
 
