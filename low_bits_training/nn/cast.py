@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from low_bits_training.formats import QuantSpec, check_divisible, fake_quantize, scale_from_amax
+from low_bits_training.nn import rng
 
 ShardGroups = tuple[tuple[int, object], ...]
 """``((dim, process_group), ...)``: dims of a local 2-D operand that are sharded, and over which group."""
@@ -51,6 +52,11 @@ def _global_amax(t: torch.Tensor, spec: QuantSpec, shards: ShardGroups) -> torch
     return amax
 
 
+def _generator(spec: QuantSpec, t: torch.Tensor) -> torch.Generator | None:
+    # Stochastic rounding draws from the layers' own per-step stream (see rng.py), never the global RNG.
+    return rng.generator_for(t.device) if spec.rounding == "stochastic" else None
+
+
 def _unscaled(spec: QuantSpec) -> QuantSpec:
     return QuantSpec(spec.format, "none", rounding=spec.rounding, saturate=spec.saturate)
 
@@ -72,7 +78,7 @@ def scaled_values(
     """
     amax = _global_amax(t, spec, shards)
     scale = scale_from_amax(amax, spec)
-    q = fake_quantize(t.to(torch.float32) / scale, _unscaled(spec))
+    q = fake_quantize(t.to(torch.float32) / scale, _unscaled(spec), _generator(spec, t))
     return q, scale
 
 
@@ -97,4 +103,4 @@ def cast(t: torch.Tensor, spec: QuantSpec | None, shards: ShardGroups = ()) -> t
         q, scale = scaled_values(t, spec, shards)
         return q * scale
     check_divisible(t.shape, spec)
-    return fake_quantize(t, spec)
+    return fake_quantize(t, spec, _generator(spec, t))

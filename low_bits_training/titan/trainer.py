@@ -10,6 +10,7 @@ from torchtitan.trainer import Trainer
 
 from low_bits_training.config.plan import QuantizeConfig
 from low_bits_training.config.secrets import redact
+from low_bits_training.nn import rng as layer_rng
 from low_bits_training.titan.checkpoint import fingerprint
 from low_bits_training.titan.numerics import NumericsConfig, extras_for
 from low_bits_training.titan.profiling import ProfilingConfig
@@ -71,11 +72,13 @@ class LowBitsTrainer(Trainer):
     def train_step(self, data_iterator):
         """torchtitan's step between the numerics / profiling bookkeeping (see titan/numerics.py).
 
-        The global RNG is reseeded from (base seed, step) first, so whatever draws from it (stochastic
-        rounding in quantized layers, dropout) draws the same numbers in a resumed run as in an uninterrupted
-        one, with no RNG state to checkpoint and under any resharding.
+        The random streams are reseeded from (base seed, step) first: the quantized layers' stochastic
+        rounding stream (nn/rng.py) and the global RNG (dropout, if a model has any). A resumed run then draws
+        the same numbers as an uninterrupted one, with no RNG state to checkpoint and under any resharding.
         """
-        torch.manual_seed(step_seed(self._rng_base_seed, self.step))
+        seed = step_seed(self._rng_base_seed, self.step)
+        torch.manual_seed(seed)
+        layer_rng.set_step_seed(seed)
         with extras_for(self).step(self.step):
             super().train_step(data_iterator)
 
