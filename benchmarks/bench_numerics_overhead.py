@@ -5,6 +5,10 @@ statistics every 10 steps; statistics every step. The step time is the mean wall
 metrics.jsonl rows (log_freq 1) after the first ``--skip`` steps (compilation, warm-up).
 
     .venv/bin/python benchmarks/bench_numerics_overhead.py --steps 21 --out /tmp/bench_numerics
+
+``--micro``: the same four cases in-process on a stack of 12 MXFP8 QuantLinear(256, 256) layers (tokens 512),
+forward + backward + checks + statistics flush, timed with ``time.process_time`` (CPU time of this process:
+much less sensitive to other jobs on a shared machine than the wall clock of a whole training).
 """
 
 from __future__ import annotations
@@ -33,6 +37,46 @@ def step_time(rows: list[dict], skip: int) -> float:
     return (t[-1] - t[0]) / (len(t) - 1)
 
 
+def micro(steps: int = 20) -> None:
+    """The four cases on a QuantLinear stack, CPU time per step (see the module docstring)."""
+    import statistics
+    import time
+
+    import torch
+    from torch import nn
+
+    from low_bits_training.formats import QuantSpec
+    from low_bits_training.nn import LinearPlan
+    from low_bits_training.nn.linear import QuantLinear
+    from low_bits_training.nn.roles import ROLE_NAMES
+    from low_bits_training.titan.numerics import NumericsConfig, NumericsMonitor
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    plan = LinearPlan.from_roles(dict.fromkeys(ROLE_NAMES, QuantSpec.mxfp8("e4m3", "rceil")))
+    model = nn.Sequential(*[QuantLinear(256, 256, bias=False, plan=plan) for _ in range(12)])
+    x = torch.randn(512, 256)  # (tokens, features)
+    base = None
+    print("| case | CPU ms/step | overhead |  (12 x QuantLinear(256, 256) MXFP8, 512 tokens, 1 thread)")
+    print("|---|---|---|")
+    for name, kw in CASES.items():
+        mon = NumericsMonitor(NumericsConfig(**kw), [model], tempfile.mkdtemp())
+        ts = []
+        for step in range(1, steps + 1):
+            t0 = time.process_time()
+            mon.begin_step(step)
+            model.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            mon.after_microbatch(loss.detach())
+            mon.flush(None)
+            ts.append(time.process_time() - t0)
+        mon.close()
+        t = statistics.mean(ts[1:])  # step 1 is a statistics step in every "stats" case: left out
+        base = base or t
+        print(f"| {name} | {1000 * t:.1f} | {100 * (t / base - 1):+.1f}% |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=21)
@@ -41,7 +85,11 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--recipe", default="mxfp8")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temp folder)")
+    p.add_argument("--micro", action="store_true", help="in-process QuantLinear stack instead of trainings")
     a = p.parse_args()
+    if a.micro:
+        micro()
+        return 0
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_numerics_"))
     base = None
     print(

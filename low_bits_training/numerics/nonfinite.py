@@ -46,7 +46,9 @@ class FirstNonFinite:
             t: a plain (local) tensor.
         """
         self._names.append((module, role))
-        self._flags.append(torch.isfinite(t.detach()).all().logical_not())
+        # One reduction pass, no boolean copy: a NaN / inf anywhere makes the fp32 sum non-finite (a sum of
+        # finite values overflowing fp32, |sum| > 3.4e38, would be reported too: such values are broken anyway).
+        self._flags.append(torch.isfinite(t.detach().sum(dtype=torch.float32)).logical_not())
 
     def first(self) -> tuple[str, str] | None:
         """``(module, role)`` of the first flagged tensor since the last ``reset``, or None."""
