@@ -35,13 +35,14 @@ class CheckpointError(RuntimeError):
 def _plain(v: Any) -> Any:
     # Keep what describes the run's shape; drop reprs of callables (they hold memory addresses).
     if dataclasses.is_dataclass(v):
-        return {
-            f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v) if not f.name.startswith("_")
-        }
+        # A quantized layer's own ``plan`` is left out: the ``quantize`` section names the plan once, and a
+        # mismatch is then reported as ``quantize.<key>`` rather than deep inside the model tree.
+        names = [f.name for f in dataclasses.fields(v) if not f.name.startswith("_") and f.name != "plan"]
+        return {n: _plain(getattr(v, n)) for n in names}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items() if k != "plan"}
+        return {str(k): _plain(x) for k, x in v.items()}
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
     return type(v).__name__
