@@ -55,7 +55,7 @@ def _kwargs(name: str, extra: dict) -> dict:
     kw = {**BASE, **extra}
     if name == "LowBitSGD":
         kw = {k: v for k, v in kw.items() if k not in ("betas", "eps")}
-    return {k: v for k, v in kw.items() if v is not None}
+    return kw
 
 
 def train(label: str, steps: int, work: Path) -> dict[int, float]:
