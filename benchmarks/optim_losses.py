@@ -43,7 +43,7 @@ OPTIONS: dict[str, tuple[str, dict]] = {
     ),
     "LowBitSGD int8 momentum (lr 0.3)": (
         "LowBitSGD",
-        {"lr": 0.3, "momentum": 0.9, "momentum_buffer": "int8_block128", "betas": None},
+        {"lr": 0.3, "momentum": 0.9, "momentum_buffer": "int8_block128"},
     ),
     "torchao AdamW8bit": ("AdamW8bit", {}),
     "torchao AdamW4bit": ("AdamW4bit", {}),
