@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tomllib
@@ -46,6 +47,13 @@ def write_toml(path: Path, base: Path = DEBUG_TOML, **sections) -> Path:
             data[name] = values
     path.write_text(tomli_w.dumps(data))
     return path
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for process groups that tests start themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def train_command(folder: Path, *args: str, nproc: int = 1, config: Path | None = None) -> list[str]:

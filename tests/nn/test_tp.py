@@ -5,13 +5,14 @@ scales stay inside a shard; either way the sharded layer must reproduce the sing
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from nn_helpers import operands, plan_for
+
+from helpers import free_port
 
 RECIPES = ("fp8_tensorwise", "fp8_rowwise", "mxfp8", "int8")
 
@@ -50,16 +51,10 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tp_shards_match_unsharded():
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     assert len(out) == 2 * len(RECIPES)
     for key, errs in out.items():
         # Same quantization on every element; only the summation order of the partial sums may differ.

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import free_port
 from low_bits_training.formats import QuantSpec
 from low_bits_training.numerics import operand_stats, summarize
 from low_bits_training.titan.numerics import reduce_raw
@@ -32,16 +32,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_rank_reduction_equals_one_rank(tmp_path):
     out = str(tmp_path / "raw")
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     torch.testing.assert_close(r0, r1, rtol=0, atol=0)  # every rank ends with the same numbers
     whole = torch.stack([operand_stats(_data(), s) for s in SPECS])
