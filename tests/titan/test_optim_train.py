@@ -53,3 +53,31 @@ def test_bad_optimizer_kwarg_is_one_line_before_the_model(tmp_path):
     line = next(ln for ln in run.log.splitlines() if "config error" in ln)
     assert "optimizer.param_groups[0].optimizer_kwargs.exp_avg='int9_block128'" in line
     assert "Building" not in run.log and "step:" not in run.log
+
+
+def test_checkpoint_of_2_fsdp_ranks_resumes_on_1(tmp_path):
+    # States equal after resharding: tests/optim/test_reshard.py. Here: the trainer path end to end.
+    # torchtitan's dataloader state does not reshard (it asserts the dp degree), hence exclude_from_loading.
+    cfg = _toml(tmp_path)
+    two = train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        *CKPT,
+        config=cfg,
+        nproc=2,
+    )
+    assert (two.folder / "checkpoint" / "step-2").is_dir()
+    one = train(
+        tmp_path,
+        "--training.steps",
+        "3",
+        *CKPT,
+        "--checkpoint.exclude_from_loading",
+        "dataloader",
+        config=cfg,
+    )
+    assert "Loading the checkpoint from" in one.log and "step-2" in one.log
+    assert one.losses[3] < one.losses[1]
