@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import train
+from helpers import REPO, train
 
 pytestmark = pytest.mark.slow
 
@@ -23,16 +23,16 @@ def test_one_rank_trains_and_writes_its_folder(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args",
+    "preset, args",
     [
-        ("--parallelism.data_parallel_shard_degree", "2"),
-        ("--parallelism.tensor_parallel_degree", "2"),
-        ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+        ("debug_model.toml", ("--parallelism.data_parallel_shard_degree", "2")),
+        ("debug_model_tp2.toml", ()),
+        ("debug_model_pp2.toml", ()),
     ],
     ids=["fsdp2", "tp2", "pp2"],
 )
-def test_two_ranks_train(tmp_path, args):
-    run = train(tmp_path, "--training.steps", "6", *args, nproc=2)
+def test_two_ranks_train(tmp_path, preset, args):
+    run = train(tmp_path, "--training.steps", "6", *args, nproc=2, config=REPO / "train_configs" / preset)
     loss = run.losses
     assert sorted(loss) == list(range(1, 7))
     assert loss[6] < loss[1] - 0.2, loss
