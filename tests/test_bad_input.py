@@ -1,6 +1,7 @@
 """Property-based: random and malformed configuration is refused with one line (a ConfigError), never with
 another exception (a traceback), before anything is built."""
 
+import os
 import string
 import tomllib
 
@@ -43,6 +44,15 @@ def _with(section: str, key: str, value) -> dict:
     data = {s: (dict(v) if isinstance(v, dict) else v) for s, v in BASE.items()}
     data.setdefault(section, {})[key] = value
     return data
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cwd(tmp_path_factory):
+    # Relative paths a random config names (a dataset folder to build) land in a scratch folder, not the repo.
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
 
 
 @pytest.fixture

@@ -12,30 +12,51 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, train, train_command, train_env
+from helpers import REPO, train, train_command, train_env, write_toml
 
 pytestmark = pytest.mark.slow
 
+# Quantized layers (mxfp8, weight-gradient operands stochastically rounded) and a low-bit optimizer (int8 /
+# fp8 states, bf16 master weights with stochastic rounding): every random draw must resume exactly.
+LOW_BIT = {
+    "quantize": {"recipe": "mxfp8", "rules": [{"layers": ["*"], "roles": ["wgrad.*"], "rounding": "stochastic"}]},
+    "optimizer": {"param_groups": [{"pattern": ".*", "optimizer_name": "LowBitAdamW", "optimizer_kwargs": {
+        "lr": 3e-3, "weight_decay": 0.1, "exp_avg": "int8_block128", "exp_avg_sq": "e4m3_block128",
+        "master_weights": "bf16", "master_rounding": "stochastic"}}]},
+}  # fmt: skip
 ARGS = ("--training.steps", "6", "--checkpoint.interval", "2")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def cfg(tmp_path_factory) -> Path:
+    return write_toml(tmp_path_factory.mktemp("cfg") / "low_bit.toml", **LOW_BIT)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cfg):
     """An uninterrupted run: the losses and checkpoints every other run is compared with."""
-    return train(tmp_path_factory.mktemp("ref"), *ARGS)
+    return train(tmp_path_factory.mktemp("ref"), *ARGS, config=cfg)
 
 
-def _kill_when(folder: Path, ready, timeout: float = 300.0) -> None:
+def _kill_when(folder: Path, cfg: Path, ready, timeout: float = 300.0) -> None:
     # Start training and SIGKILL every process of it the moment ready(folder) holds.
-    p = subprocess.Popen(train_command(folder, *ARGS), cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        train_command(folder, *ARGS, config=cfg),
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ready(folder):
             assert p.poll() is None, "training ended before the kill point"
             assert time.monotonic() < deadline, "kill point never reached"
             time.sleep(0.002)
-        for pid in [*_descendants(p.pid), p.pid]:  # the trainer ranks first: torchrun starts them in new sessions
+        for pid in [
+            *_descendants(p.pid),
+            p.pid,
+        ]:  # the trainer ranks first: torchrun starts them in new sessions
             os.kill(pid, signal.SIGKILL)
     finally:
         p.kill()
@@ -60,7 +81,11 @@ def _descendants(pid: int) -> list[int]:
 
 def _complete(folder: Path) -> list[int]:
     ck = folder / "checkpoint"
-    return sorted(int(d.name[5:]) for d in ck.glob("step-*") if (d / ".metadata").exists()) if ck.exists() else []
+    return (
+        sorted(int(d.name[5:]) for d in ck.glob("step-*") if (d / ".metadata").exists())
+        if ck.exists()
+        else []
+    )
 
 
 def _metrics_steps(folder: Path) -> list[int]:
@@ -76,24 +101,32 @@ def _mid_step(rng):
 
 def _mid_checkpoint_write(_rng):
     # While step-4 is being written: its folder exists, its .metadata does not yet.
-    return lambda f: (f / "checkpoint" / "step-4").is_dir() and not (f / "checkpoint" / "step-4" / ".metadata").exists()
+    return lambda f: (
+        (f / "checkpoint" / "step-4").is_dir() and not (f / "checkpoint" / "step-4" / ".metadata").exists()
+    )
 
 
-@pytest.mark.parametrize("kill_point", [_mid_step, _mid_checkpoint_write], ids=["mid-step", "mid-checkpoint-write"])
-def test_killed_run_resumes_from_last_complete_checkpoint_to_the_same_losses(tmp_path, reference, kill_point):
+@pytest.mark.parametrize(
+    "kill_point", [_mid_step, _mid_checkpoint_write], ids=["mid-step", "mid-checkpoint-write"]
+)
+def test_killed_run_resumes_from_last_complete_checkpoint_to_the_same_losses(
+    tmp_path, cfg, reference, kill_point
+):
     folder = tmp_path / "run"
-    _kill_when(folder, kill_point(random.Random(os.getpid())))
+    _kill_when(folder, cfg, kill_point(random.Random(os.getpid())))
     last = max(_complete(folder))
     if kill_point is _mid_checkpoint_write:
-        assert last == 2 and (folder / "checkpoint" / "step-4").is_dir()  # the half-written one is still there
-    resumed = train(tmp_path, *ARGS)
+        assert (
+            last == 2 and (folder / "checkpoint" / "step-4").is_dir()
+        )  # the half-written one is still there
+    resumed = train(tmp_path, *ARGS, config=cfg)
     assert f"Loading the checkpoint from {folder}/checkpoint/step-{last}." in resumed.log, resumed.log[-3000:]
     assert f"Training starts at step {last + 1}" in resumed.log, resumed.log[-3000:]
     assert resumed.losses == reference.losses  # to the bit: data position, RNG and optimizer state restored
 
 
-def test_same_seed_same_losses(tmp_path, reference):
-    again = train(tmp_path, *ARGS)
+def test_same_seed_same_losses(tmp_path, cfg, reference):
+    again = train(tmp_path, *ARGS, config=cfg)
     assert again.losses == reference.losses
 
 
@@ -104,20 +137,34 @@ def _resume_copy(reference, tmp_path, step: int) -> Path:
     return folder
 
 
-def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, reference):
+def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, cfg, reference):
     folder = _resume_copy(reference, tmp_path, 4)
-    victim = max((p for p in (folder / "checkpoint" / "step-4").iterdir() if p.suffix == ".distcp"),
-                 key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in (folder / "checkpoint" / "step-4").iterdir() if p.suffix == ".distcp"),
+        key=lambda p: p.stat().st_size,
+    )
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
-    run = train(tmp_path, *ARGS, check=False)
+    run = train(tmp_path, *ARGS, config=cfg, check=False)
     assert run.returncode != 0
     assert f"checkpoint {folder}/checkpoint/step-4 is damaged: {victim.name} has" in run.log
     assert not any("step:  5" in ln for ln in run.log.splitlines())  # nothing trained on a damaged state
 
 
-def test_checkpoint_of_another_model_is_refused_with_the_reason(tmp_path, reference):
+def test_checkpoint_of_another_model_is_refused_with_the_reason(tmp_path, cfg, reference):
     _resume_copy(reference, tmp_path, 4)
-    run = train(tmp_path, *ARGS, "--job.base", "low_bits_training.titan.bases:llama3_tiny", check=False)
+    run = train(
+        tmp_path, *ARGS, "--job.base", "low_bits_training.titan.bases:llama3_tiny", config=cfg, check=False
+    )
     assert run.returncode != 0
     assert "belongs to another run shape (model." in run.log and "checkpoint has" in run.log
+
+
+def test_checkpoint_of_another_plan_is_refused_with_the_reason(tmp_path, cfg, reference):
+    _resume_copy(reference, tmp_path, 4)
+    run = train(tmp_path, *ARGS, "--quantize.recipe", "fp8_rowwise", config=cfg, check=False)
+    assert run.returncode != 0
+    assert (
+        "belongs to another run shape (quantize.recipe: checkpoint has 'mxfp8', this run has 'fp8_rowwise')"
+        in run.log
+    )
