@@ -39,25 +39,25 @@ class LowBitAdamW(LowBitOptimizer):
 
     options_cls = AdamWOptions
 
-    def _update(self, p, state, group, opts: AdamWOptions, step: int, gen_fn) -> None:
+    def _update(self, p, state, group, opts: AdamWOptions, step: int, gen_fn, rows) -> None:
         lr, (b1, b2) = float(group["lr"]), opts.betas
-        w, g = local(p), local(p.grad).float()
-        m = self.read(p, state, "exp_avg", opts)
+        w, g = local(p)[rows], local(p.grad)[rows].float()
+        m = self.read(p, state, "exp_avg", opts, rows)
         sq_codec = self.codec(p, "exp_avg_sq", opts)
         sqrt_stored = opts.sqrt_exp_avg_sq and not sq_codec.native
-        v = self.read(p, state, "exp_avg_sq", opts)
+        v = self.read(p, state, "exp_avg_sq", opts, rows)
         if sqrt_stored:
             v = v.square_()
         w32 = w.float()
         w32.mul_(1 - lr * opts.weight_decay)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        self.write(p, state, "exp_avg", opts, m, gen_fn)
-        self.write(p, state, "exp_avg_sq", opts, v.sqrt() if sqrt_stored else v, gen_fn)
+        self.write(p, state, "exp_avg", opts, m, gen_fn, rows)
+        self.write(p, state, "exp_avg_sq", opts, v.sqrt() if sqrt_stored else v, gen_fn, rows)
         c = moment_bound(b1, b2)
         if opts.v_floor and c is not None and sq_codec.spec.format != "fp32":
             v = torch.maximum(v, m.square().div_(c * c))
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         denom = (v.sqrt_() / math.sqrt(bc2)).add_(opts.eps)
         w32.addcdiv_(m, denom, value=-lr / bc1)
-        self.finish(p, state, opts, w32, gen_fn)
+        self.finish(p, state, opts, w32, gen_fn, rows)

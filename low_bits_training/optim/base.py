@@ -25,6 +25,10 @@ class LowBitOptimizer(Optimizer):
     """
 
     options_cls: type
+    chunk_numel: int = 1 << 20
+    """Parameters are updated in slices of whole rows of about this many elements: rows are independent
+    (blocks never cross a row), so the states come out the same, and the fp32 temporaries of a step stay
+    O(chunk) instead of O(largest parameter)."""
 
     def __init__(self, params, **defaults: Any) -> None:
         super().__init__(params, defaults)
@@ -53,18 +57,28 @@ class LowBitOptimizer(Optimizer):
         glob, loc = c.part_shapes(shape), c.part_shapes(lshape)
         return c if all(shards_like(p, glob[k], loc[k]) for k in glob) else _FP32
 
-    def read(self, p: torch.Tensor, state: dict, name: str, opts) -> torch.Tensor:
-        """fp32 local values of state ``name``."""
+    def read(self, p: torch.Tensor, state: dict, name: str, opts, rows=Ellipsis) -> torch.Tensor:
+        """fp32 values of state ``name`` for the local rows ``rows`` (a slice of dim 0, or all)."""
         c = self.codec(p, name, opts)
-        parts = {s: local(state[name + s]) for s in c.dtypes()}
-        return c.decode(parts, tuple(local(p).shape))
+        parts = {s: local(state[name + s])[rows] for s in c.dtypes()}
+        return c.decode(parts, tuple(local(p)[rows].shape))
 
-    def write(self, p: torch.Tensor, state: dict, name: str, opts, x: torch.Tensor, gen_fn) -> None:
-        """Quantize fp32 local ``x`` into state ``name`` (in place)."""
+    def write(
+        self, p: torch.Tensor, state: dict, name: str, opts, x: torch.Tensor, gen_fn, rows=Ellipsis
+    ) -> None:
+        """Quantize fp32 ``x`` (the local rows ``rows``) into state ``name`` (in place)."""
         c = self.codec(p, name, opts)
         g = gen_fn(name) if c.spec.rounding == "stochastic" else None
         for suffix, part in c.encode(x, g).items():
-            local(state[name + suffix]).copy_(part)
+            local(state[name + suffix])[rows].copy_(part)
+
+    def row_chunks(self, p: torch.Tensor) -> list:
+        """Slices of dim 0 of ``p``'s local shard, each about ``chunk_numel`` elements (Ellipsis for 0-d)."""
+        lp = local(p)
+        if lp.dim() == 0 or lp.shape[0] == 0:
+            return [Ellipsis]
+        per = max(1, self.chunk_numel // max(1, lp[0].numel()))
+        return [slice(r, r + per) for r in range(0, lp.shape[0], per)]
 
     def init_state(self, p: torch.Tensor, state: dict, opts) -> None:
         """Create the zero states of ``p`` (placed like ``p``)."""
@@ -80,16 +94,17 @@ class LowBitOptimizer(Optimizer):
                 p, torch.zeros(lp.shape, dtype=torch.bfloat16, device=lp.device), tuple(p.shape)
             )
 
-    def gen_fn(self, p: torch.Tensor, fqn: str, step: int, opts):
-        """name -> generator of that stream for this parameter shard and step."""
+    def gen_fn(self, p: torch.Tensor, fqn: str, step: int, opts, rows=Ellipsis):
+        """name -> generator of that stream for this parameter shard, row chunk and step."""
         offset = global_offset(p)
-        return lambda name: generator(opts.seed, fqn, step, offset, name, local(p).device)
+        start = rows.start if isinstance(rows, slice) else 0
+        return lambda name: generator(opts.seed, fqn, step, offset, f"{name}@{start}", local(p).device)
 
-    def finish(self, p: torch.Tensor, state: dict, opts, w32: torch.Tensor, gen_fn) -> None:
-        """Write the updated fp32 weights back on the master grid."""
-        comp = local(state["master_comp"]) if opts.master_rounding == "kahan" else None
+    def finish(self, p: torch.Tensor, state: dict, opts, w32: torch.Tensor, gen_fn, rows=Ellipsis) -> None:
+        """Write the updated fp32 weights (the local rows ``rows``) back on the master grid."""
+        comp = local(state["master_comp"])[rows] if opts.master_rounding == "kahan" else None
         g = gen_fn("master") if opts.master_rounding == "stochastic" else None
-        write_master(local(p), w32, opts.master_spec, opts.master_rounding, comp, g)
+        write_master(local(p)[rows], w32, opts.master_spec, opts.master_rounding, comp, g)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -107,10 +122,12 @@ class LowBitOptimizer(Optimizer):
                     self.init_state(p, state, opts)
                 state["step"] += 1
                 step = int(state["step"].item())
-                self._update(p, state, group, opts, step, self.gen_fn(p, fqn, step, opts))
+                for rows in self.row_chunks(p):
+                    self._update(p, state, group, opts, step, self.gen_fn(p, fqn, step, opts, rows), rows)
         return None
 
-    def _update(self, p, state, group, opts, step, gen_fn) -> None:
+    def _update(self, p, state, group, opts, step, gen_fn, rows) -> None:
+        """Update the local rows ``rows`` of ``p`` and its states."""
         raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -21,15 +21,15 @@ class LowBitSGD(LowBitOptimizer):
 
     options_cls = SGDOptions
 
-    def _update(self, p, state, group, opts: SGDOptions, step: int, gen_fn) -> None:
+    def _update(self, p, state, group, opts: SGDOptions, step: int, gen_fn, rows) -> None:
         lr, mu = float(group["lr"]), opts.momentum
-        w, g = local(p), local(p.grad).float()
+        w, g = local(p)[rows], local(p.grad)[rows].float()
         w32 = w.float()
         if opts.weight_decay:
             g = g.add(w32, alpha=opts.weight_decay)
-        buf = self.read(p, state, "momentum_buffer", opts)
+        buf = self.read(p, state, "momentum_buffer", opts, rows)
         buf = g.clone() if step == 1 else buf.mul_(mu).add_(g)
-        self.write(p, state, "momentum_buffer", opts, buf, gen_fn)
+        self.write(p, state, "momentum_buffer", opts, buf, gen_fn, rows)
         d = g.add(buf, alpha=mu) if opts.nesterov else buf
         w32.add_(d, alpha=-lr)
-        self.finish(p, state, opts, w32, gen_fn)
+        self.finish(p, state, opts, w32, gen_fn, rows)
