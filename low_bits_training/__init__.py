@@ -1,2 +1,3 @@
 """low-bits-training: low-bit precision LLM training research on torchtitan."""
+
 __version__ = "0.1.0"

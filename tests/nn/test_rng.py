@@ -6,7 +6,9 @@ from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import rng
 from low_bits_training.nn.cast import cast
 
-SR = QuantSpec("e4m3", "block", block_size=32, scale_format="e8m0", scale_rounding="floor", rounding="stochastic")
+SR = QuantSpec(
+    "e4m3", "block", block_size=32, scale_format="e8m0", scale_rounding="floor", rounding="stochastic"
+)
 
 
 def test_step_stream_ignores_other_global_rng_draws():

@@ -108,7 +108,9 @@ def test_secrets_never_reach_saved_files_logs_or_wandb(tmp_path, monkeypatch):
     cfg = build_config(["--config-file", str(DEBUG_TOML)])
     assert cfg.metrics.enable_wandb  # the user set W&B up, so it is used
     cfg.optimizer.param_groups[0].optimizer_kwargs["hf_token"] = "hf_sekrit"
-    save_resolved(cfg, tmp_path, ["x", "--hf.token", "hf_sekrit2", "--wandb.api_key=sekrit3", "--training.steps", "4"])
+    save_resolved(
+        cfg, tmp_path, ["x", "--hf.token", "hf_sekrit2", "--wandb.api_key=sekrit3", "--training.steps", "4"]
+    )
     for f in tmp_path.iterdir():
         assert "sekrit" not in f.read_text(), f.name
     assert "--training.steps 4" in (tmp_path / "command.txt").read_text()
