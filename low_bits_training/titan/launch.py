@@ -42,6 +42,8 @@ def build_config(argv: list[str]):
     from low_bits_training.config.tree import ConfigError
     from low_bits_training.titan import datasets
     from low_bits_training.titan.configure import load_config
+    from low_bits_training.titan.optim import adapt_optimizer_config
+    from low_bits_training.titan.quantize import apply_precision_plan
 
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
@@ -50,11 +52,7 @@ def build_config(argv: list[str]):
         config.__post_init__()  # torchtitan's own cross-field checks, after the TOML was applied
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    from low_bits_training.titan.optim import adapt_optimizer_config
-
     adapt_optimizer_config(config)  # low-bit / torchao optimizer names: checked kwargs, our container
-    from low_bits_training.titan.quantize import apply_precision_plan
-
     apply_precision_plan(config)  # validate [quantize] and swap in QuantLinear configs, before any build
     datasets.register()
     datasets.prepare_assets(config)
@@ -95,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from low_bits_training.config.tree import ConfigError
     from low_bits_training.titan.configure import save_resolved
+    from low_bits_training.titan.numerics import exit_on_nonfinite
+    from low_bits_training.titan.quantize import save_plan
 
     init_logger()
     try:
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if _is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
         logger.info(f"Resolved config written to {path}")
-        from low_bits_training.titan.quantize import save_plan
-
         save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
-    from low_bits_training.titan.numerics import exit_on_nonfinite
-
     return exit_on_nonfinite(run, config)  # [numerics] nonfinite = "stop": one line, exit code 3
 
 
