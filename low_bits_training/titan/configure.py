@@ -21,7 +21,7 @@ from typing import Any
 import tomli_w
 
 from low_bits_training.config.secrets import redact, redact_argv
-from low_bits_training.config.tree import ConfigError, apply_dict, diff, public_fields
+from low_bits_training.config.tree import ConfigError, apply_dict, diff
 from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
 from low_bits_training.titan.metrics import LowBitsMetricsProcessor
 from low_bits_training.titan.trainer import JobConfig, LowBitsTrainer
@@ -169,11 +169,6 @@ def _pop_untomlable(d: dict[str, Any], where: str = "") -> list[str]:
         if isinstance(v, dict):
             lost += _pop_untomlable(v, f"{where}.{k}" if where else k)
     return lost
-
-
-def top_level_sections() -> list[str]:
-    """The keys a TOML file may use at its top level (for docs and error messages)."""
-    return public_fields(LowBitsTrainer.Config())
 
 
 if __name__ == "__main__":  # python -m low_bits_training.titan.configure x.toml [flags]: print the result
