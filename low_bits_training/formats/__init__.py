@@ -5,6 +5,7 @@ Pure functions of tensors (torch only). See docs/formats.md.
 
 from .codec import decode, encode, finite_grid_values, pack, unpack
 from .quant import QuantizedTensor, dequantize, fake_quantize, quantize
+from .random import RandomSource, derive_key, fold_key, random_bits, uniform, uniform_int
 from .rounding import ROUNDINGS, round_to
 from .scaling import (
     GroupScales,
@@ -29,20 +30,26 @@ __all__ = [
     "IntFormat",
     "QuantSpec",
     "QuantizedTensor",
+    "RandomSource",
     "check_divisible",
     "compute_scales",
     "decode",
+    "derive_key",
     "dequantize",
     "encode",
     "fake_quantize",
     "finite_grid_values",
+    "fold_key",
     "get_format",
     "group_amax",
     "group_scales",
     "grouped_shape",
     "pack",
     "quantize",
+    "random_bits",
     "round_to",
     "scale_from_amax",
+    "uniform",
+    "uniform_int",
     "unpack",
 ]

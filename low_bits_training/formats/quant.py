@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec import decode, encode, pack, unpack
+from .random import RandomSource
 from .rounding import round_signed_
 from .scaling import GroupScales, group_scales, grouped_shape
 from .spec import QuantSpec
@@ -25,13 +26,14 @@ def _round_scaled(xg: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, genera
     return round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, generator)
 
 
-def fake_quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None) -> torch.Tensor:
     """Quantize then dequantize: x's values as the low-bit format would carry them.
 
     Args:
         x: fp32 / bf16 / fp16 tensor; its shape must fit the spec (see ``check_divisible``).
         spec: the recipe.
-        generator: random source for stochastic rounding.
+        generator: random source for stochastic rounding (generator, int64 key tensor or None; see
+            ``round_to``).
 
     Returns:
         Tensor of x's shape and dtype: round(x / scale) * scale per group (computed in fp32).
@@ -71,13 +73,14 @@ class QuantizedTensor:
         return dequantize(self)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> QuantizedTensor:
+def quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None) -> QuantizedTensor:
     """Quantize x to codes and scales; ``dequantize(quantize(x, s, g)) == fake_quantize(x, s, g)``.
 
     Args:
         x: fp32 / bf16 / fp16 tensor.
         spec: the recipe.
-        generator: random source for stochastic rounding.
+        generator: random source for stochastic rounding (generator, int64 key tensor or None; see
+            ``round_to``).
 
     Returns:
         A ``QuantizedTensor``.

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from .random import RandomSource, uniform, uniform_int
 from .table import FloatFormat, Format, IntFormat, get_format
 
 FAST_PATHS = True
@@ -62,7 +63,7 @@ def _round_int(v: torch.Tensor, rounding: str, generator: torch.Generator | None
     if rounding == "toward_zero":
         return v.trunc_()
     floor = torch.floor(v)
-    u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
+    u = uniform(v.shape, generator, v.device)
     return floor + (u < (v - floor)).to(torch.float32)  # v - floor is exact: P(up) = frac(v)
 
 
@@ -131,7 +132,7 @@ def _sr_bits(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
     that, deep in the subnormal range, see a bias below 2**-d of a spacing) and the offset is removed after.
     """
     d = 23 - fmt.mbits
-    r = torch.randint(0, 1 << d, a.shape, generator=generator, dtype=torch.int32, device=a.device)
+    r = uniform_int(a.shape, d, generator, a.device)
     if fmt.ebits == 8:  # e8mY: fp32's own subnormals are linear in the bits, no offset needed
         y = r.add_(a.view(torch.int32)).bitwise_and_(-(1 << d)).view(torch.float32)
         return torch.where(torch.isnan(a), a, y)
@@ -191,7 +192,7 @@ def round_to(
     fmt: str | Format,
     rounding: Rounding = "nearest",
     saturate: bool = True,
-    generator: torch.Generator | None = None,
+    generator: RandomSource = None,
 ) -> torch.Tensor:
     """Round every element of x to the nearest (or stochastically chosen) value of a format; no scaling.
 
@@ -203,7 +204,9 @@ def round_to(
         saturate: overflow clamps to +-max; False: overflow (after rounding) gives inf where the format has
             inf (e5m2, fp16, bf16), NaN where it has only NaN (e4m3, e8m0), and still clamps where it has
             neither (fp6, fp4, int). NaN in gives NaN out; +-inf in gives +-max when saturating.
-        generator: random source for stochastic rounding (same generator state -> same result).
+        generator: random source for stochastic rounding: a ``torch.Generator`` (same state -> same result),
+            an int64 key tensor (counter-based bits, ``formats.random``: the same eager and compiled), or
+            None (torch's global RNG).
 
     Returns:
         Tensor of x's shape and dtype. For bf16/fp16 input the fp32 result is cast back (RNE): exact

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import adaptive
 from .rounding import exp2i, floor_log2, round_to
 from .spec import QuantSpec
 from .table import get_format
@@ -88,7 +89,12 @@ def _pow2_exponent(amax: torch.Tensor, spec: QuantSpec, max_elem: float, emax_el
     """Exponent of the power-of-two scale for scale_rounding floor / ceil / rceil (int32)."""
     if spec.scale_rounding == "rceil":  # round the fp32 quotient up to a power of two (cvt.rp.ue8m0)
         d = amax / max_elem
-        return floor_log2(d) + ((d.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+        # An fp32-subnormal quotient (< 2**-126) has no exponent field to read: scale it into the normal
+        # range by 2**64 (exact) first, so ceil(log2 d) stays right down to the scale format's floor.
+        tiny = d < 2.0**-126
+        d = torch.where(tiny, d * 2.0**64, d)
+        e = floor_log2(d) + ((d.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+        return e - 64 * tiny.to(torch.int32)
     e = floor_log2(amax) - emax_elem  # OCP MX v1.0 sec. 6.3: floor(log2(amax)) - emax_elem
     if spec.scale_rounding == "ceil":
         e = e + ((amax.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
@@ -96,7 +102,10 @@ def _pow2_exponent(amax: torch.Tensor, spec: QuantSpec, max_elem: float, emax_el
 
 
 def scale_from_amax(
-    amax: torch.Tensor, spec: QuantSpec, tensor_scale: torch.Tensor | None = None
+    amax: torch.Tensor,
+    spec: QuantSpec,
+    tensor_scale: torch.Tensor | None = None,
+    target: float | None = None,
 ) -> torch.Tensor:
     """The dequant scale (fp32, on ``spec.scale_format``'s grid) for each group amax.
 
@@ -105,24 +114,29 @@ def scale_from_amax(
         spec: the recipe (element format, scale_format, scale_rounding, margin).
         tensor_scale: two-level scaling: the raw scale amax/max_elem is divided by this fp32 scale
             before it is rounded to scale_format (NVFP4).
+        target: the element value amax maps to (default: the format's max; 4over6's other candidate: 4).
 
     Returns:
-        fp32 scales of amax's shape; amax == 0 gives 1, NaN amax gives NaN.
+        fp32 scales of amax's shape, never below the scale format's smallest subnormal (smallest normal
+        with ``scale_min = "normal"``); amax == 0 gives 1, NaN amax gives NaN, and so does an infinite
+        amax with ``inf_amax = "nan"`` (the whole group then dequantizes to NaN).
     """
     elem, sfmt = spec.elem, get_format(spec.scale_format)
-    max_elem = elem.max
+    max_elem = elem.max if target is None else target
+    smallest = sfmt.min_normal if spec.scale_min == "normal" else sfmt.min_subnormal
     if spec.scale_rounding == "exact":
         s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
         if spec.margin:
             s = s * 2.0**spec.margin
-        s = round_to(s, sfmt).clamp_min_(sfmt.min_subnormal)  # never a zero scale
+        s = round_to(s, sfmt).clamp_min_(smallest)  # never a zero scale
     else:
         rel = amax if tensor_scale is None else amax / tensor_scale
         e = _pow2_exponent(rel, spec, max_elem, elem.emax) + spec.margin
-        lo, hi = int(math.log2(sfmt.min_subnormal)), sfmt.emax
+        lo, hi = int(math.log2(smallest)), sfmt.emax
         s = exp2i(e.clamp_(lo, hi))
     s = torch.where(amax == 0, torch.ones((), device=s.device), s)
-    return torch.where(torch.isnan(amax), amax, s)
+    nan = torch.isnan(amax) | torch.isinf(amax) if spec.inf_amax == "nan" else torch.isnan(amax)
+    return torch.where(nan, torch.full((), float("nan"), device=s.device), s)
 
 
 class GroupScales(NamedTuple):
@@ -138,20 +152,27 @@ class GroupScales(NamedTuple):
     """The fp32 per-tensor scale of two-level scaling, else None."""
 
 
+def tensor_scale_max(spec: QuantSpec) -> float:
+    """The scale-format value a two-level tensor scale maps the tensor amax to (over the element max):
+    the scale format's max, or 256 under 4over6 (room for its 1.5x larger block scales)."""
+    return adaptive.TENSOR_SCALE_MAX if spec.four_over_six != "off" else get_format(spec.scale_format).max
+
+
 def group_scales(xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...]) -> GroupScales:
     """Scales of an already grouped tensor ``xg`` (see ``grouped_shape``)."""
     amax = group_amax(xg, dims)
     if spec.scaling == "none":
         one = torch.ones_like(amax)
         return GroupScales(amax, one, one, None)
-    if not spec.tensor_scale:
-        s = scale_from_amax(amax, spec)
-        return GroupScales(amax, s, s, None)
-    sfmt = get_format(spec.scale_format)
-    tamax = amax.amax()
-    ts = torch.where(tamax == 0, 1.0, tamax / (sfmt.max * spec.elem.max))
+    ts = None
+    if spec.tensor_scale:
+        tamax = amax.amax()
+        ts = torch.where(tamax == 0, 1.0, tamax / (tensor_scale_max(spec) * spec.elem.max))
     bs = scale_from_amax(amax, spec, tensor_scale=ts)
-    return GroupScales(amax, bs * ts, bs, ts)
+    if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
+        four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
+        bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
+    return GroupScales(amax, bs if ts is None else bs * ts, bs, ts)
 
 
 def compute_scales(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -10,6 +10,11 @@ from .table import get_format
 Scaling = Literal["none", "tensor", "axis", "block", "tile"]
 ScaleRounding = Literal["exact", "floor", "ceil", "rceil"]
 RoundingMode = Literal["nearest", "stochastic", "toward_zero"]
+ScaleMin = Literal["subnormal", "normal"]
+InfAmax = Literal["keep", "nan"]
+FourOverSix = Literal["off", "mse", "mae"]
+AmaxCompute = Literal["max", "most_recent"]
+Source = Literal["high", "forward"]
 SCALE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "e8m0", "ue4m3")
 _ROUNDING_LABEL = {"nearest": "rne", "stochastic": "sr", "toward_zero": "rtz"}
 
@@ -44,6 +49,33 @@ class QuantSpec:
     tensor_scale: bool = False
     """Two-level scaling (NVFP4): block scales are computed relative to an fp32 per-tensor scale
     amax / (max_scale_format * max_elem) and stored in scale_format."""
+    scale_min: ScaleMin = "subnormal"
+    """Smallest scale kept: "subnormal" (the scale format's smallest subnormal: 2**-9 for ue4m3) or "normal"
+    (its smallest normal: 2**-6 for ue4m3, as torchao clamps NVFP4 block scales). Formats without
+    subnormals (e8m0, fp32 in practice) are unaffected."""
+    inf_amax: InfAmax = "keep"
+    """A group whose amax is infinite: "keep" (the infinite elements stay +-inf, the group's finite ones
+    become 0) or "nan" (the whole group becomes NaN, as torchao's fp8 casts do)."""
+    four_over_six: FourOverSix = "off"
+    """Adaptive block scaling "4over6" (e2m1 blocks/tiles, "exact" scales): each group is scaled both so its
+    amax maps to 6 and to 4, and keeps the one with the lower round-to-nearest error, "mse" (sum of squares)
+    or "mae" (sum of magnitudes); the two-level tensor scale then uses 256 in place of the scale format's max
+    (arXiv 2512.02010; Transformer Engine's 4over6 NVFP4 recipe). "off": always 6."""
+    amax_history: int = 0
+    """Delayed scaling ("tensor" scaling only): 0 is current scaling (the amax of the tensor itself); N > 0
+    takes the amax from the last N casts of this operand (a history the layer keeps, ``nn.delayed``), as
+    Transformer Engine's DelayedScaling. Without a history (``fake_quantize`` alone) it is current scaling."""
+    amax_compute: AmaxCompute = "max"
+    """Delayed scaling: the amax of the history, "max" (of all N) or "most_recent"."""
+    rht: int = 0
+    """GEMM operand transform: a random Hadamard transform of this size (a power of two, 0: none) applied
+    along the GEMM's contraction dim before the cast, by the quantized matmul (``nn``), to both operands
+    of a GEMM so that it cancels in the product. ``fake_quantize`` does not apply it (``formats.hadamard``)."""
+    rht_seed: int = 0
+    """Seed of the RHT's random sign vector (``formats.hadamard.sign_vector``): the same on every rank."""
+    source: Source = "high"
+    """What a backward GEMM operand is cast from (``nn``): "high" (the high-precision tensor) or "forward"
+    (the forward GEMM's cast of the same tensor, cast again: dgrad.weight and wgrad.input only)."""
 
     def __post_init__(self) -> None:
         get_format(self.format)  # raises the one-line unknown-format error
@@ -71,6 +103,28 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec.tensor_scale=True needs scaling block/tile/axis, got {self.scaling!r}"
             )
+        self._check_operand_options()
+
+    def _check_operand_options(self) -> None:
+        # 4over6, delayed scaling and the RHT: what each needs (issue 13).
+        for name, top in (("amax_history", 2**16), ("rht", 2**16), ("rht_seed", 2**62)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top:
+                raise ValueError(f"QuantSpec.{name}={v!r} must be an int in [0, {top}]")
+        if self.rht and (self.rht < 2 or self.rht & (self.rht - 1)):
+            raise ValueError(f"QuantSpec.rht={self.rht} must be 0 (off) or a power of two >= 2")
+        if self.amax_history and self.scaling != "tensor":
+            raise ValueError(
+                f"QuantSpec.amax_history={self.amax_history} (delayed scaling) needs scaling 'tensor', "
+                f"got {self.scaling!r}"
+            )
+        if self.four_over_six != "off" and (
+            self.format != "e2m1" or self.scaling not in ("block", "tile") or self.scale_rounding != "exact"
+        ):
+            raise ValueError(
+                f"QuantSpec.four_over_six={self.four_over_six!r} needs format 'e2m1', scaling block/tile and "
+                f"scale_rounding 'exact', got {self.format!r}, {self.scaling!r}, {self.scale_rounding!r}"
+            )
 
     @property
     def elem(self):
@@ -89,9 +143,15 @@ class QuantSpec:
         if self.scaling != "none":
             extra = "+t32" if self.tensor_scale else ""
             extra += f",m{self.margin}" if self.margin else ""
+            extra += ",minN" if self.scale_min == "normal" else ""
+            extra += ",infNaN" if self.inf_amax == "nan" else ""
+            extra += f",4/6{self.four_over_six}" if self.four_over_six != "off" else ""
+            extra += f",delayed{self.amax_history}{self.amax_compute}" if self.amax_history else ""
             where += f"({self.scale_format},{self.scale_rounding}{extra})"
         sat = "" if self.saturate else "/nosat"
-        return f"{self.elem.name}/{where}/{_ROUNDING_LABEL[self.rounding]}{sat}"
+        pre = f"rht{self.rht}" + (f"s{self.rht_seed}" if self.rht_seed else "") + ":" if self.rht else ""
+        pre = ("fwd:" if self.source == "forward" else "") + pre
+        return f"{pre}{self.elem.name}/{where}/{_ROUNDING_LABEL[self.rounding]}{sat}"
 
     __str__ = short
 

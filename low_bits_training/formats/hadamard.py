@@ -1,0 +1,111 @@
+"""The random Hadamard transform (RHT): a seeded, orthogonal mixing of each block of ``size`` values.
+
+For a block v of length n (a power of two) the transform is ``T(v) = H (s * v) / sqrt(n)``: s is a random
++-1 sign vector, H the Sylvester Hadamard matrix ``H[i][j] = (-1)**popcount(i & j)``. T is orthogonal, so
+applied to both operands of a GEMM along the contraction dim it cancels in the product:
+``sum_k T(a)_k T(b)_k = sum_k a_k b_k``. It spreads an outlier over its block, which is what the NVFP4
+training recipe (arXiv 2509.25149, sec. 4.2) uses it for on the weight-gradient GEMM's operands; torchao's
+``NVFP4Linear`` computes ``x_block @ (diag(s) H / 4)``: the same T for n = 16.
+
+The transform is block-diagonal: every block of ``size`` values along the dim uses the same n-long sign
+vector, so a shard of the dim (tensor parallelism) transforms alone, and every rank derives the vector from
+(seed, size) with ``derive_key`` (``sign_vector``), never from a generator.
+
+Fast path: the in-place-free butterfly (log2(n) stages of ``(a + b, a - b)``), elementwise fp32 adds only, so
+eager and torch.compile give the same bits. ``rht_reference`` builds the dense matrix and multiplies in
+float64: the slow definition the butterfly is held to (tests/formats/test_hadamard.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .random import derive_key, random_bits
+
+
+def check_size(size: int) -> None:
+    """Raises ValueError unless ``size`` is a power of two >= 2."""
+    if not isinstance(size, int) or size < 2 or size & (size - 1):
+        raise ValueError(f"RHT size {size!r} must be a power of two >= 2")
+
+
+@torch.compiler.assume_constant_result  # a traced graph takes the tuple as a constant (hashlib is not traceable)
+def sign_vector(size: int, seed: int = 0) -> tuple[int, ...]:
+    """The RHT's random signs: ``size`` values +-1, a pure function of (size, seed) (every rank, every run).
+
+    Args:
+        size: the block size (a power of two).
+        seed: any int.
+
+    Returns:
+        A tuple of +1 / -1 ints.
+    """
+    return _sign_vector(size, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _sign_vector(size: int, seed: int) -> tuple[int, ...]:
+    check_size(size)
+    bits = random_bits((size,), derive_key("rht", size, seed))
+    return tuple(1 - 2 * int(b) for b in (bits >> 31) & 1)
+
+
+def hadamard_matrix(size: int) -> torch.Tensor:
+    """The Sylvester Hadamard matrix ``H[i][j] = (-1)**popcount(i & j)`` (float64, entries +-1)."""
+    check_size(size)
+    i = torch.arange(size)
+    parity = torch.tensor([bin(v).count("1") & 1 for v in (i[:, None] & i[None, :]).flatten().tolist()])
+    return (1 - 2 * parity).to(torch.float64).reshape(size, size)
+
+
+def _butterfly(v: torch.Tensor, size: int) -> torch.Tensor:
+    """``H v`` for every row of v (B, size): log2(size) stages, each pairing the elements one bit apart."""
+    h = 1
+    while h < size:
+        v = v.reshape(-1, size // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        v = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return v.reshape(-1, size)
+
+
+def rht(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor:
+    """``T`` applied to every block of ``len(signs)`` values along ``axis`` (fp32 result).
+
+    Args:
+        x: any tensor whose ``axis`` is a multiple of the block size (computed in fp32).
+        signs: the sign vector (``sign_vector``); its length is the block size.
+        axis: the dim the blocks run along (a GEMM operand's contraction dim).
+
+    Returns:
+        fp32 tensor of x's shape.
+
+    Raises:
+        ValueError: the block size does not divide the dim.
+    """
+    size = len(signs)
+    check_size(size)
+    if x.shape[axis] % size:
+        raise ValueError(
+            f"RHT size {size} does not divide dim {axis} of size {x.shape[axis]} ({tuple(x.shape)})"
+        )
+    t = x.to(torch.float32).movedim(axis, -1)
+    s = torch.tensor(signs, dtype=torch.float32, device=x.device)
+    v = _butterfly(t.reshape(-1, size) * s, size) * (1.0 / math.sqrt(size))  # exact for sizes 4**k
+    return v.reshape(t.shape).movedim(-1, axis)
+
+
+def rht_reference(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor:
+    """The definition of ``rht``: x (in float64) times the dense block-diagonal matrix ``diag(s) H / sqrt(n)``.
+
+    Returns:
+        float64 tensor of x's shape.
+    """
+    size = len(signs)
+    r = torch.diag(torch.tensor(signs, dtype=torch.float64)) @ hadamard_matrix(size) / math.sqrt(size)
+    t = x.to(torch.float64).movedim(axis, -1)
+    full = torch.block_diag(*[r] * (t.shape[-1] // size))  # (D, D): one R per block
+    return (t @ full).movedim(-1, axis)

@@ -1,0 +1,84 @@
+"""The random Hadamard transform: butterfly == dense float64 definition, orthogonal (a GEMM's RHT cancels),
+torchao's NVFP4 transform for its sign vector, seeded signs, eager == compiled bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from low_bits_training.formats.hadamard import hadamard_matrix, rht, rht_reference, sign_vector
+
+TORCHAO_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""torchtitan's fixed NVFP4 sign vector (components/quantization/nvfp4.py ``_HARDCODED_SIGN_VECTOR``)."""
+
+
+def _x(shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * (1 + 30 * (torch.rand(shape[-1], generator=g) > 0.95))
+    return x.to(dtype)
+
+
+def test_sign_vector_is_a_seeded_pure_function():
+    a = sign_vector(16, 0)
+    assert len(a) == 16 and set(a) <= {-1, 1} and a == sign_vector(16, 0)
+    assert a != sign_vector(16, 1) and sign_vector(32, 0)[:16] != a  # sizes and seeds draw other signs
+    assert 4 <= sum(v > 0 for v in sign_vector(64, 3)) <= 60
+
+
+def test_hadamard_matrix_is_sylvester():
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    h = h2
+    for size in (4, 8, 16, 32):
+        h = torch.kron(h2, h)  # Sylvester: H_2n = [[H, H], [H, -H]]
+        assert torch.equal(hadamard_matrix(size), h)
+        assert torch.equal(h @ h.T, size * torch.eye(size, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("size", [2, 4, 8, 16, 32, 64])
+def test_butterfly_equals_the_dense_definition(size, axis, dtype):
+    x = _x((128, 64), size, dtype)
+    got, ref = rht(x, sign_vector(size, 7), axis), rht_reference(x, sign_vector(size, 7), axis)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    # log2(n) fp32 add stages, magnitudes growing at most 2x per stage: |error| <= 2**-23 sqrt(n) max|x|.
+    bound = 2.0**-22 * math.sqrt(size) * x.abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("size", [4, 16, 64])
+def test_transform_cancels_in_a_gemm(size):
+    a, b = _x((48, 128), 1), _x((128, 40), 2)
+    s = sign_vector(size, 5)
+    ref = a.double() @ b.double()
+    exact = rht_reference(a, s, -1) @ rht_reference(b, s, 0)
+    assert torch.allclose(exact, ref, rtol=0, atol=1e-10 * ref.abs().max().item())
+    fast = rht(a, s, -1) @ rht(b, s, 0)
+    assert (fast.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+def test_equals_torchaos_nvfp4_transform():
+    from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
+
+    x = _x((64, 256), 3)
+    m = get_rht_matrix(TORCHAO_SIGNS, "cpu", torch.float64, 16)
+    ref = (x.double().reshape(-1, 16) @ m).reshape(x.shape)
+    assert torch.allclose(rht_reference(x, TORCHAO_SIGNS), ref, rtol=0, atol=1e-12)
+    assert (rht(x, TORCHAO_SIGNS).double() - ref).abs().max().item() < 2.0**-20 * x.abs().max().item()
+
+
+def test_compiled_equals_eager_bit_for_bit():
+    x = _x((64, 96), 4)
+    s = sign_vector(16, 2)
+    fn = torch.compile(lambda t: (rht(t, s, 0), rht(t, s, -1)), backend="inductor", fullgraph=True)
+    for eager, compiled in zip((rht(x, s, 0), rht(x, s, -1)), fn(x), strict=True):
+        assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32))
+
+
+def test_size_errors():
+    with pytest.raises(ValueError, match="RHT size 12 must be a power of two"):
+        sign_vector(12)
+    with pytest.raises(ValueError, match="RHT size 16 does not divide dim 0 of size 24"):
+        rht(torch.zeros(24, 16), sign_vector(16), 0)
