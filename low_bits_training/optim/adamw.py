@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .base import LowBitOptimizer
-from .dist import local
+from .codec import StateCodec
 from .options import AdamWOptions
 
 
@@ -23,11 +21,13 @@ def moment_bound(beta1: float, beta2: float) -> float | None:
 
 
 class LowBitAdamW(LowBitOptimizer):
-    """AdamW (torch.optim.AdamW's update, same op order) with quantized moments and master weights.
+    """AdamW (torch.optim.AdamW's update and op order) with quantized moments and master weights.
 
-    Each step: dequantize m and v to fp32, update them with the gradient, store them back (quantized), and
-    take the step with the fresh fp32 m and v. With fp32 states and no master format the result equals
-    ``torch.optim.AdamW(foreach=False)`` bit for bit.
+    Each step, per chunk of rows: decode m and v to fp32, update them with the gradient, store them back
+    (quantized), and take the step with the fresh fp32 m and v (``optim.kernels.adamw_chunk``). With fp32
+    states and no master format the result is ``torch.optim.AdamW(foreach=False)``'s to an ulp or two (each op
+    rounded once: torch's eager ``lerp`` / ``addcmul`` fuse multiply-adds and its CPU sqrt is not correctly
+    rounded, which a compiled kernel cannot reproduce).
 
     Args:
         params: parameters or param group dicts (torchtitan passes groups with ``param_names``).
@@ -38,26 +38,25 @@ class LowBitAdamW(LowBitOptimizer):
     """
 
     options_cls = AdamWOptions
+    kind = "adamw"
 
-    def _update(self, p, state, group, opts: AdamWOptions, step: int, gen_fn, rows) -> None:
+    def flags(self, opts: AdamWOptions, codecs: dict[str, StateCodec]) -> tuple[str, ...]:
+        sq = codecs["exp_avg_sq"]
+        out = ("sqrt_v",) if opts.sqrt_exp_avg_sq and not sq.native else ()
+        if opts.v_floor and moment_bound(*opts.betas) is not None and sq.spec.format != "fp32":
+            out += ("v_floor",)
+        return out
+
+    def hyper(self, group, opts: AdamWOptions, step: int) -> list[float]:
         lr, (b1, b2) = float(group["lr"]), opts.betas
-        w, g = local(p)[rows], local(p.grad)[rows].float()
-        m = self.read(p, state, "exp_avg", opts, rows)
-        sq_codec = self.codec(p, "exp_avg_sq", opts)
-        sqrt_stored = opts.sqrt_exp_avg_sq and not sq_codec.native
-        v = self.read(p, state, "exp_avg_sq", opts, rows)
-        if sqrt_stored:
-            v = v.square_()
-        w32 = w.float()
-        w32.mul_(1 - lr * opts.weight_decay)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        self.write(p, state, "exp_avg", opts, m, gen_fn, rows)
-        self.write(p, state, "exp_avg_sq", opts, v.sqrt() if sqrt_stored else v, gen_fn, rows)
         c = moment_bound(b1, b2)
-        if opts.v_floor and c is not None and sq_codec.spec.format != "fp32":
-            v = torch.maximum(v, m.square().div_(c * c))
-        bc1, bc2 = 1 - b1**step, 1 - b2**step
-        denom = (v.sqrt_() / math.sqrt(bc2)).add_(opts.eps)
-        w32.addcdiv_(m, denom, value=-lr / bc1)
-        self.finish(p, state, opts, w32, gen_fn, rows)
+        return [
+            1 - lr * opts.weight_decay,
+            1 - b1,
+            b2,
+            1 - b2,
+            math.sqrt(1 - b2**step),
+            opts.eps,
+            -lr / (1 - b1**step),
+            1 / (c * c) if c else 0.0,
+        ]

@@ -1,4 +1,4 @@
-"""Shared machinery of the low-bit optimizers: state layout, shards, random streams, state_dict dtypes."""
+"""Shared machinery of the low-bit optimizers: layouts, zero states, the chunk loop, state_dict dtypes."""
 
 from __future__ import annotations
 
@@ -8,31 +8,33 @@ import torch
 from torch.optim import Optimizer
 
 from .codec import StateCodec
-from .dist import global_offset, local, shards_like, wrap_like
-from .master import write_master
-from .presets import PRESETS
-from .rng import generator
-
-_FP32 = StateCodec(PRESETS["fp32"])
+from .dist import local, wrap_like
+from .fused import run_fused
+from .kernels import KERNELS
+from .layout import ParamLayout, build_layout
+from .rng import chunk_keys
 
 
 class LowBitOptimizer(Optimizer):
-    """Base class: subclasses set ``options_cls`` and implement ``_update``.
+    """Base class: subclasses set ``options_cls`` and ``kind`` and implement ``flags`` and ``hyper``.
 
     State of a parameter ``p`` (all placed like ``p``; see ``codec`` for the layout): ``step`` (fp32 scalar),
     for each state name ``<name>`` (native) or ``<name>_codes`` / ``<name>_scales``, and ``master_comp``
     (bf16) with Kahan master weights. Groups may carry ``param_names`` (FQNs; they key the random streams).
+    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default) or eager.
     """
 
     options_cls: type
-    chunk_numel: int = 1 << 20
-    """Parameters are updated in slices of whole rows of about this many elements: rows are independent
-    (blocks never cross a row), so the states come out the same, and the fp32 temporaries of a step stay
-    O(chunk) instead of O(largest parameter)."""
+    kind: str
+    chunk_numel: int = 1 << 18
+    """Elements per chunk (about): the update's temporaries are a few fp32 copies of one chunk (1 MiB each),
+    whatever the parameter's size. Part of the random streams' keys: change it and stochastic rounding draws
+    other (equally good) bits."""
 
     def __init__(self, params, **defaults: Any) -> None:
         super().__init__(params, defaults)
         self._options_cache: dict[Any, Any] = {}
+        self._layouts: dict[torch.Tensor, tuple[Any, ParamLayout]] = {}
         for group in self.param_groups:
             self.options(group)  # validate every group now, before any step
 
@@ -45,66 +47,46 @@ class LowBitOptimizer(Optimizer):
             self._options_cache[key] = self.options_cls.from_group(group)
         return self._options_cache[key]
 
-    def codec(self, p: torch.Tensor, name: str, opts) -> StateCodec:
-        """The codec of state ``name`` of ``p``: its configured format if the shard fits it, else fp32."""
-        spec = opts.state_specs()[name]
-        c = StateCodec(spec)
-        if c.native:
-            return c
-        shape, lshape = tuple(p.shape), tuple(local(p).shape)
-        if p.numel() < opts.min_quantized_numel or p.dim() < 2 or not (c.fits(shape) and c.fits(lshape)):
-            return _FP32
-        glob, loc = c.part_shapes(shape), c.part_shapes(lshape)
-        return c if all(shards_like(p, glob[k], loc[k]) for k in glob) else _FP32
+    def flags(self, opts, codecs: dict[str, StateCodec]) -> tuple[str, ...]:
+        """The ``KernelSpec.flags`` of a parameter with these options and state codecs."""
+        raise NotImplementedError
 
-    def read(self, p: torch.Tensor, state: dict, name: str, opts, rows=Ellipsis) -> torch.Tensor:
-        """fp32 values of state ``name`` for the local rows ``rows`` (a slice of dim 0, or all)."""
-        c = self.codec(p, name, opts)
-        parts = {s: local(state[name + s])[rows] for s in c.dtypes()}
-        return c.decode(parts, tuple(local(p)[rows].shape))
+    def hyper(self, group: dict[str, Any], opts, step: int) -> list[float]:
+        """The step's scalars (``optim.kernels``' ``*_HYPER``), computed in fp64 and stored as fp32."""
+        raise NotImplementedError
 
-    def write(
-        self, p: torch.Tensor, state: dict, name: str, opts, x: torch.Tensor, gen_fn, rows=Ellipsis
-    ) -> None:
-        """Quantize fp32 ``x`` (the local rows ``rows``) into state ``name`` (in place)."""
-        c = self.codec(p, name, opts)
-        g = gen_fn(name) if c.spec.rounding == "stochastic" else None
-        for suffix, part in c.encode(x, g).items():
-            local(state[name + suffix])[rows].copy_(part)
+    def layout(self, p: torch.Tensor, opts) -> ParamLayout:
+        """``p``'s layout, built on first use (and again only if its group's options change)."""
+        held = self._layouts.get(p)
+        if held is None or held[0] is not opts:
+            flags = lambda codecs: self.flags(opts, codecs)  # noqa: E731
+            held = (opts, build_layout(p, opts, self.kind, flags, self.chunk_numel))
+            self._layouts[p] = held
+        return held[1]
 
-    def row_chunks(self, p: torch.Tensor) -> list:
-        """Slices of dim 0 of ``p``'s local shard, each about ``chunk_numel`` elements (Ellipsis for 0-d)."""
-        lp = local(p)
-        if lp.dim() == 0 or lp.shape[0] == 0:
-            return [Ellipsis]
-        per = max(1, self.chunk_numel // max(1, lp[0].numel()))
-        return [slice(r, r + per) for r in range(0, lp.shape[0], per)]
+    def codec(self, p: torch.Tensor, name: str) -> StateCodec:
+        """The codec state ``name`` of ``p`` is stored with (its format, or fp32 if the shard does not fit)."""
+        return self.layout(p, self.options(self._group_of(p))).spec.codec(name)
 
-    def init_state(self, p: torch.Tensor, state: dict, opts) -> None:
-        """Create the zero states of ``p`` (placed like ``p``)."""
+    def read(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """fp32 values of state ``name`` of ``p``'s local shard (a new tensor; for tests and analysis)."""
+        codec, state = self.codec(p, name), self.state[p]
+        return codec.decode({s: local(state[name + s]) for s in codec.dtypes()}, tuple(local(p).shape))
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def init_state(self, p: torch.Tensor, state: dict, lay: ParamLayout) -> None:
+        """Create the zero states of ``p`` (placed like ``p``), never as fp32 tensors of ``p``'s size."""
         state["step"] = torch.zeros((), dtype=torch.float32)
         lp = local(p)
-        for name in opts.state_specs():
-            c = self.codec(p, name, opts)
-            gshapes = c.part_shapes(tuple(p.shape))
-            for suffix, part in c.encode(torch.zeros(lp.shape, device=lp.device)).items():
-                state[name + suffix] = wrap_like(p, part.clone(), gshapes[suffix])
-        if opts.master_rounding == "kahan":
-            state["master_comp"] = wrap_like(
-                p, torch.zeros(lp.shape, dtype=torch.bfloat16, device=lp.device), tuple(p.shape)
-            )
-
-    def gen_fn(self, p: torch.Tensor, fqn: str, step: int, opts, rows=Ellipsis):
-        """name -> generator of that stream for this parameter shard, row chunk and step."""
-        offset = global_offset(p)
-        start = rows.start if isinstance(rows, slice) else 0
-        return lambda name: generator(opts.seed, fqn, step, offset, f"{name}@{start}", local(p).device)
-
-    def finish(self, p: torch.Tensor, state: dict, opts, w32: torch.Tensor, gen_fn, rows=Ellipsis) -> None:
-        """Write the updated fp32 weights (the local rows ``rows``) back on the master grid."""
-        comp = local(state["master_comp"])[rows] if opts.master_rounding == "kahan" else None
-        g = gen_fn("master") if opts.master_rounding == "stochastic" else None
-        write_master(local(p)[rows], w32, opts.master_spec, opts.master_rounding, comp, g)
+        for name, codec in lay.spec.states:
+            gshapes = codec.part_shapes(tuple(p.shape))
+            for suffix, part in codec.zeros(tuple(lp.shape), lp.device).items():
+                state[name + suffix] = wrap_like(p, part, gshapes[suffix])
+        if lay.spec.master_rounding == "kahan":
+            comp = torch.zeros(lp.shape, dtype=torch.bfloat16, device=lp.device)
+            state["master_comp"] = wrap_like(p, comp, tuple(p.shape))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -115,20 +97,27 @@ class LowBitOptimizer(Optimizer):
             opts = self.options(group)
             names = group.get("param_names") or [f"{gi}.{i}" for i in range(len(group["params"]))]
             for p, fqn in zip(group["params"], names, strict=True):
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    self.init_state(p, state, opts)
-                state["step"] += 1
-                step = int(state["step"].item())
-                for rows in self.row_chunks(p):
-                    self._update(p, state, group, opts, step, self.gen_fn(p, fqn, step, opts, rows), rows)
+                if p.grad is not None:
+                    self._update(p, fqn, group, opts)
         return None
 
-    def _update(self, p, state, group, opts, step, gen_fn, rows) -> None:
-        """Update the local rows ``rows`` of ``p`` and its states."""
-        raise NotImplementedError
+    def _update(self, p: torch.Tensor, fqn: str, group: dict[str, Any], opts) -> None:
+        lay, state = self.layout(p, opts), self.state[p]
+        if not state:
+            self.init_state(p, state, lay)
+        state["step"] += 1
+        step = int(state["step"].item())
+        dev = local(p).device
+        hyper = torch.tensor(self.hyper(group, opts, step), dtype=torch.float32).to(dev, non_blocking=True)
+        keys = chunk_keys(opts.seed, fqn, step, lay.offset, lay.spec.purposes, lay.starts, dev)
+        views = lay.tensors(p, state)
+        for k, (r0, r1) in enumerate(lay.chunks):
+            chunk = [t[r0:r1] for t in views]
+            key = None if keys is None else keys[k]
+            if opts.fused:
+                run_fused(lay.spec, chunk, hyper, key)
+            else:
+                KERNELS[lay.spec.kind](lay.spec, chunk[0], chunk[1], hyper, key, *chunk[2:])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then each state back to the dtype it was saved in (torch casts every floating-point

@@ -8,16 +8,33 @@ Layout of a quantized state of a parameter shard of shape (*lead, cols), blocks 
   codes of e8m0 / ue4m3.
 
 Both have the parameter's leading dims, so a ``Shard(0)`` placement of the parameter carries over to them.
+Since blocks never cross a row, the flattened shard is a run of whole blocks: ``encode`` / ``decode`` take any
+(rows, k * bs) view of it (the optimizer passes row chunks of its flat view).
+
+The numerics are ``formats``' (block scale, element rounding, bit codes: ``encode`` equals
+``formats.quantize`` bit for bit, tested). Two steps are written here in ops that vectorize under
+torch.compile, where the ``formats`` versions would make inductor fall back to scalar C++ loops: the bit
+codes of values already on the grid (``grid_codes``) and the bf16 cast.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
-from low_bits_training.formats import QuantSpec, decode, encode, get_format, quantize, round_to, unpack
+from low_bits_training.formats import (
+    QuantSpec,
+    decode,
+    encode,
+    get_format,
+    group_scales,
+    round_to,
+)
+from low_bits_training.formats.rounding import round_signed_
+from low_bits_training.formats.table import Format, IntFormat
 
 from .presets import NATIVE
 
@@ -26,15 +43,77 @@ _NATIVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 @functools.cache
 def _lut(fmt: str, device: torch.device) -> torch.Tensor:
-    """fp32 value of every code of an (<= 8-bit) format: decoding becomes one gather. Held to
-    ``formats.dequantize`` bit for bit in tests/optim/test_codec.py."""
+    """fp32 value of every code of an (<= 8-bit) format: eager decoding becomes one gather."""
     f = get_format(fmt)
     return decode(torch.arange(2**f.bits, dtype=torch.uint8, device=device), f)
 
 
-def lut_decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fp32 values of uint8 codes (same shape) by table lookup."""
+def decode_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values of uint8 codes (same shape): a table lookup eagerly; ``formats.decode``'s arithmetic
+    under torch.compile (a gather does not vectorize there). Both equal ``formats.decode`` (tested)."""
+    if torch.compiler.is_compiling():
+        return decode(codes, fmt)
     return _lut(fmt, codes.device)[codes.long()]
+
+
+def grid_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """uint8 codes of fp32 values already on ``fmt``'s grid: ``formats.encode(y, fmt)`` bit for bit (tested
+    for every code, NaN and -0 included), in ops that vectorize under torch.compile.
+
+    Integers: the low bits of the value. Signed float formats with subnormals (fp8, fp6, fp4, eXmY): the
+    exponent and top mantissa bits of the fp32 bit pattern, or |y| / min_subnormal below the normal range
+    (integer ops only: no fp8 dtype, which Triton lacks on older GPUs). Anything else: ``formats.encode``.
+    """
+    if isinstance(fmt, IntFormat):
+        return (torch.where(y == y, y, 0.0).to(torch.int32) & (2**fmt.bits - 1)).to(torch.uint8)
+    if not (fmt.signed and fmt.subnormals) or fmt.mbits == 0:
+        return encode(y, fmt)
+    a = y.abs()
+    bits = a.view(torch.int32)
+    field = (bits >> 23) - (127 - fmt.bias)
+    normal = (field << fmt.mbits) | ((bits >> (23 - fmt.mbits)) & (2**fmt.mbits - 1))
+    sub = (a * math.ldexp(1.0, fmt.mbits - fmt.emin)).to(
+        torch.int32
+    )  # exact: a is a multiple of min_subnormal
+    code = torch.where(a < fmt.min_normal, sub, normal)
+    top = 2 ** (fmt.ebits + fmt.mbits) - 1
+    if fmt.has_inf:
+        code = torch.where(a == math.inf, top - (2**fmt.mbits - 1), code)
+    code = torch.where(a != a, top if fmt.has_nan else 0, code)  # NaN; a != a vectorizes, isnan does not
+    sign = (y.view(torch.int32) >> 31) & 1
+    return (code | (sign << (fmt.ebits + fmt.mbits))).to(torch.uint8)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``formats.pack`` of each row of (n, k) codes (k even): (n, k // 2) bytes, element 2i in the low nibble.
+
+    Written per row (a static pair index) because the flat form gives inductor index arithmetic (division,
+    modulo by the dynamic row count) that it cannot vectorize; equal to ``formats.pack`` (tested).
+    """
+    if bits > 4:
+        return codes
+    pairs = codes.reshape(codes.shape[0], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_rows``: (n, k // 2) bytes -> (n, k) codes."""
+    if bits > 4:
+        return packed
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def native_round(x: torch.Tensor, spec: QuantSpec, key: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` rounded to a natively stored format (fp32 / bf16 / fp16, ``spec.scaling == "none"``), in that
+    dtype: ``formats.round_to`` then a cast. Nearest saturating rounding is torch's round-half-even cast of
+    the clamped value, the same numbers and faster compiled (round_to's bit trick uses isnan)."""
+    dtype = _NATIVE_DTYPES[spec.format]
+    if spec.format == "fp32":
+        return x.to(torch.float32)
+    if spec.rounding == "nearest" and spec.saturate:
+        m = spec.elem.max
+        return x.float().clamp(-m, m).to(dtype)
+    return round_to(x.float(), spec.format, spec.rounding, spec.saturate, key).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -50,6 +129,13 @@ class StateCodec:
     @property
     def per_byte(self) -> int:
         return 2 if get_format(self.spec.format).bits <= 4 else 1
+
+    @property
+    def group(self) -> int:
+        """Elements that must stay together in a row chunk: one block (or one code byte, or 1 native)."""
+        if self.native:
+            return 1
+        return self.spec.block_size if self.spec.scaling == "block" else self.per_byte
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """True when a local shard of ``shape`` can be stored under this codec's layout."""
@@ -68,46 +154,63 @@ class StateCodec:
             parts["_scales"] = (*lead, cols // self.spec.block_size)
         return parts
 
-    def _scale_dtype(self) -> torch.dtype:
-        sf = self.spec.scale_format
-        return _NATIVE_DTYPES.get(sf, torch.uint8)
-
-    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Quantize fp32 ``x`` (*lead, cols) into its stored parts (suffix -> tensor)."""
-        if self.native:
-            if self.spec.format == "fp32":
-                return {"": x.to(torch.float32)}
-            y = round_to(x.float(), self.spec.format, self.spec.rounding, self.spec.saturate, generator)
-            return {"": y.to(_NATIVE_DTYPES[self.spec.format])}
-        q = quantize(x.float(), self.spec, generator)
-        shapes = self.part_shapes(tuple(x.shape))
-        parts = {"_codes": q.codes.reshape(shapes["_codes"])}
-        if self.spec.scaling == "block":
-            s = q.scales.reshape(shapes["_scales"])
-            sf = self.spec.scale_format
-            parts["_scales"] = s.to(_NATIVE_DTYPES[sf]) if sf in _NATIVE_DTYPES else encode(s, sf)
-        return parts
-
-    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        """fp32 values (``shape``) of stored parts (the inverse of ``encode`` up to rounding)."""
-        if self.native:
-            return parts[""].to(torch.float32, copy=True)  # callers update it in place
-        lead, cols = tuple(shape[:-1]), shape[-1]
-        numel = cols * (torch.Size(lead).numel())
-        y = lut_decode(
-            unpack(parts["_codes"].reshape(-1), get_format(self.spec.format).bits, numel), self.spec.format
-        )
-        if self.spec.scaling != "block":
-            return y.reshape(shape)
-        s = parts["_scales"]
-        s = s.float() if self.spec.scale_format in _NATIVE_DTYPES else lut_decode(s, self.spec.scale_format)
-        return (y.reshape(*lead, cols // self.spec.block_size, -1) * s.unsqueeze(-1)).reshape(shape)
-
     def dtypes(self) -> dict[str, torch.dtype]:
         """Suffix -> storage dtype of each part."""
         if self.native:
             return {"": _NATIVE_DTYPES[self.spec.format]}
         d = {"_codes": torch.uint8}
         if self.spec.scaling == "block":
-            d["_scales"] = self._scale_dtype()
+            d["_scales"] = _NATIVE_DTYPES.get(self.spec.scale_format, torch.uint8)
         return d
+
+    def encode(self, x: torch.Tensor, key: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Quantize fp32 ``x`` (*lead, cols) into its stored parts (suffix -> tensor).
+
+        Args:
+            x: the values; its last dim holds whole blocks.
+            key: int64 key tensor for stochastic rounding (counter-based bits, ``formats.random``).
+        """
+        if self.native:
+            return {"": native_round(x, self.spec, key)}
+        spec = self.spec
+        xg = x.reshape(-1, spec.block_size if spec.scaling == "block" else x.shape[-1]).float()
+        if spec.scaling == "block":
+            scale = group_scales(xg, spec, (1,)).scale  # (blocks, 1)
+            a = (xg / scale).abs_()
+        else:
+            scale, a = None, xg.abs()
+        y = round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, key)
+        shapes = self.part_shapes(tuple(x.shape))
+        parts = {"_codes": pack_rows(grid_codes(y, spec.elem), spec.elem.bits).reshape(shapes["_codes"])}
+        if scale is not None:
+            sf = spec.scale_format
+            s = scale.reshape(shapes["_scales"])
+            parts["_scales"] = s.to(_NATIVE_DTYPES[sf]) if sf in _NATIVE_DTYPES else encode(s, sf)
+        return parts
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """fp32 values (``shape``) of stored parts (the inverse of ``encode`` up to rounding); a new tensor."""
+        if self.native:
+            return parts[""].to(torch.float32, copy=True)  # callers may update it in place
+        spec = self.spec
+        codes = parts["_codes"]
+        y = decode_codes(unpack_rows(codes.reshape(-1, codes.shape[-1]), spec.elem.bits), spec.format)
+        if spec.scaling != "block":
+            return y.reshape(shape)
+        s = parts["_scales"]
+        s = s.float() if spec.scale_format in _NATIVE_DTYPES else decode_codes(s, spec.scale_format)
+        return (y.reshape(-1, spec.block_size) * s.reshape(-1, 1)).reshape(shape)
+
+    def zeros(self, shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
+        """The stored parts of an all-zero state of ``shape``, made without any fp32 tensor of that size.
+
+        Every block of zeros encodes alike (one code, one scale), so one block is encoded and its first byte
+        (or value) fills each part.
+        """
+        if self.native:
+            return {"": torch.zeros(shape, dtype=_NATIVE_DTYPES[self.spec.format], device=device)}
+        one = self.encode(torch.zeros(1, self.group, device=device))
+        return {
+            s: torch.full(shp, one[s].reshape(-1)[0].item(), dtype=one[s].dtype, device=device)
+            for s, shp in self.part_shapes(tuple(shape)).items()
+        }

@@ -12,7 +12,8 @@ import torch
 
 from low_bits_training.formats import QuantSpec, fake_quantize
 
-from .presets import with_rounding
+from .codec import native_round
+from .presets import NATIVE, with_rounding
 
 
 def fit_to_shard(spec: QuantSpec, shape: tuple[int, ...]) -> QuantSpec:
@@ -25,34 +26,49 @@ def fit_to_shard(spec: QuantSpec, shape: tuple[int, ...]) -> QuantSpec:
     return spec
 
 
+def master_spec(spec: QuantSpec, shape: tuple[int, ...], rounding: str) -> QuantSpec:
+    """The master-weight format of a local shard of ``shape`` under ``master_rounding`` = ``rounding``: scale
+    groups fitted to the shard, element rounding "stochastic" or "nearest" (plain, or Kahan's)."""
+    return with_rounding(fit_to_shard(spec, shape), "stochastic" if rounding == "stochastic" else "nearest")
+
+
+def on_grid(x: torch.Tensor, spec: QuantSpec, key: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x`` rounded onto ``spec``'s grid with its rounding, as fp32.
+
+    Scale groups follow ``x``'s last dim (a row chunk of whole blocks, or whole rows for "axis").
+    """
+    if spec.format in NATIVE and spec.scaling == "none":
+        return native_round(x, spec, key).float()
+    return fake_quantize(x, spec, key)
+
+
 def write_master(
     w: torch.Tensor,
     w32: torch.Tensor,
     spec: QuantSpec | None,
     rounding: str,
     comp: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    key: torch.Tensor | None = None,
 ) -> None:
-    """Store ``w32`` (fp32 updated weights) into the local parameter shard ``w``.
+    """Store ``w32`` (fp32 updated weights) into the parameter rows ``w``.
 
     Args:
-        w: the parameter's local shard (written in place, any dtype).
-        w32: the updated weights in fp32 (may be ``w`` itself when ``w`` is fp32).
-        spec: master-weight format, or None for a plain cast to ``w.dtype``.
+        w: rows of the parameter's local shard (written in place, any dtype).
+        w32: the updated weights in fp32.
+        spec: master-weight format from ``master_spec`` (made outside compiled code: a QuantSpec cannot be
+            built inside a graph), or None for a plain cast to ``w.dtype``.
         rounding: "nearest", "stochastic" or "kahan".
-        comp: for "kahan", the local bf16 compensation buffer (updated in place): the rounding error of the
-            last write, added back before the next rounding.
-        generator: random source for "stochastic".
+        comp: for "kahan", the bf16 compensation rows (updated in place): the rounding error of the last
+            write, added back before the next rounding.
+        key: int64 key tensor of the random bits for "stochastic" (``optim.rng``).
     """
     if spec is None:
-        if w32 is not w:
-            w.copy_(w32)
+        w.copy_(w32)
         return
-    spec = fit_to_shard(spec, tuple(w.shape))
     if rounding == "kahan":
         target = w32 + comp.float()
-        q = fake_quantize(target, with_rounding(spec, "nearest"))
+        q = on_grid(target, spec)
         comp.copy_(target - q)
     else:
-        q = fake_quantize(w32, with_rounding(spec, rounding), generator if rounding == "stochastic" else None)
+        q = on_grid(w32, spec, key)
     w.copy_(q)

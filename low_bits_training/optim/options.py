@@ -14,8 +14,8 @@ from low_bits_training.formats import QuantSpec
 from .presets import allowed_names, parse_state_format
 
 MasterRounding = Literal["nearest", "stochastic", "kahan"]
-IGNORED_GROUP_KEYS = frozenset({"params", "param_names", "fused", "foreach", "initial_lr"})
-"""Keys torch / torchtitan put into every param group; not options of ours."""
+IGNORED_GROUP_KEYS = frozenset({"params", "param_names", "foreach", "initial_lr"})
+"""Keys torch / torchtitan put into every param group; not options of ours (torchtitan's ``fused`` is)."""
 
 
 def _check_format(key: str, value: Any, allow_none: bool = False) -> QuantSpec | None:
@@ -33,7 +33,8 @@ class _Common:
     lr: float
     """Learning rate (the LR scheduler scales it)."""
     weight_decay: float = 0.0
-    """Decoupled weight decay: w <- w * (1 - lr * weight_decay)."""
+    """AdamW: decoupled, w <- w * (1 - lr * weight_decay). SGD: coupled L2, weight_decay * w is added to the
+    gradient (torch.optim.SGD's rule)."""
     master_weights: str | dict | None = "none"
     """Format of the weights after each update: "none" (the parameter's own dtype, a plain copy), "bf16",
     or any state format ("e4m3_block128", ...). Values are rounded onto this grid in the parameter tensor."""
@@ -44,6 +45,11 @@ class _Common:
     """Parameters with fewer elements (norm weights, biases) keep fp32 states: tiny, and most sensitive."""
     seed: int = 0
     """Seed of the stochastic-rounding streams (see ``optim.rng``)."""
+    fused: bool = True
+    """Run each chunk's update as one compiled kernel (torch.compile; the first step compiles, seconds on CPU,
+    which needs a C++ compiler). False: the same update run eagerly, the reference it equals bit for bit,
+    slower. torchtitan sets it from ``[optimizer] implementation`` ("fused", its default: true; "foreach" /
+    "for-loop": false) unless ``optimizer_kwargs`` name it."""
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
@@ -61,6 +67,8 @@ class _Common:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{key}={v!r}: allowed a finite number >= 0")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused={self.fused!r}: allowed true, false")
         for key in ("min_quantized_numel", "seed"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

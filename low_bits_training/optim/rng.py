@@ -1,26 +1,45 @@
-"""Counter-based random streams for stochastic rounding: one ``torch.Generator`` per (param, step, use).
+"""Random bits for stochastic rounding of states and master weights: counter-based keys, no generators.
 
-A generator is seeded from (group seed, parameter FQN, step, the shard's global offset, purpose) by a hash.
-Its whole state is therefore a function of values the checkpoint already holds (the group's ``seed`` and the
-parameter's ``step``): a resumed run draws exactly the numbers an uninterrupted one draws, on every rank,
-with no generator state to save. Different shards (ranks) and parameters get independent streams.
+Each (parameter shard, step, use, chunk) gets one int64 key, ``formats.derive_key(seed, fqn, step, offset,
+purpose, start)`` (the package's one seed-derivation scheme); ``formats.random`` turns it into the bits of the
+chunk (element i gets hash(key, i)), the same eagerly and under torch.compile, where a ``torch.Generator``
+cannot go. A key is a function of values the checkpoint already holds (the group's ``seed``, the parameter's
+``step``), so a resumed run draws exactly what an uninterrupted one draws, with no generator state to save.
+Shards (``offset``: the shard's global index), parameters, steps, uses and chunks (``start``: the chunk's
+first element in the shard) get independent streams.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-
-def stream_seed(seed: int, fqn: str, step: int, offset: tuple[int, ...], purpose: str) -> int:
-    """A 63-bit seed for one random stream (blake2b of the identifying values)."""
-    key = f"{seed}|{fqn}|{step}|{','.join(map(str, offset))}|{purpose}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+from low_bits_training.formats import derive_key
 
 
-def generator(
-    seed: int, fqn: str, step: int, offset: tuple[int, ...], purpose: str, device: torch.device
-) -> torch.Generator:
-    """A generator on ``device`` seeded by ``stream_seed`` (see the module docstring)."""
-    return torch.Generator(device=device).manual_seed(stream_seed(seed, fqn, step, offset, purpose))
+def chunk_keys(
+    seed: int,
+    fqn: str,
+    step: int,
+    offset: tuple[int, ...],
+    purposes: tuple[str, ...],
+    starts: list[int],
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Keys of every chunk and use of one parameter shard at one step.
+
+    Args:
+        seed: the group's ``seed`` option.
+        fqn: the parameter's name (``param_names`` of its group).
+        step: the parameter's step (1 on the first update).
+        offset: global index of the shard's first element (zeros unsharded).
+        purposes: the uses drawing random bits ("exp_avg", "master", ...); none gives None.
+        starts: first element (in the shard) of each chunk.
+        device: where the keys go (the parameter's device).
+
+    Returns:
+        int64 tensor (chunks, purposes), or None when no use draws random bits.
+    """
+    if not purposes:
+        return None
+    keys = [[derive_key(seed, fqn, step, offset, p, s) for p in purposes] for s in starts]
+    return torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from .base import LowBitOptimizer
-from .dist import local
+from .codec import StateCodec
 from .options import SGDOptions
 
 
 class LowBitSGD(LowBitOptimizer):
-    """torch.optim.SGD's update (dampening 0; weight decay added to the gradient, as torch does) with a
-    quantized momentum buffer and master weights. With an fp32 buffer it equals torch's for-loop SGD.
+    """torch.optim.SGD's update (dampening 0; coupled L2 weight decay: ``weight_decay * w`` is added to the
+    gradient, as torch does) with a quantized momentum buffer and master weights
+    (``optim.kernels.sgd_chunk``). With an fp32 buffer it matches torch's for-loop SGD to an ulp or two.
 
     Args:
         params: parameters or param group dicts.
@@ -20,16 +21,10 @@ class LowBitSGD(LowBitOptimizer):
     """
 
     options_cls = SGDOptions
+    kind = "sgd"
 
-    def _update(self, p, state, group, opts: SGDOptions, step: int, gen_fn, rows) -> None:
-        lr, mu = float(group["lr"]), opts.momentum
-        w, g = local(p)[rows], local(p.grad)[rows].float()
-        w32 = w.float()
-        if opts.weight_decay:
-            g = g.add(w32, alpha=opts.weight_decay)
-        buf = self.read(p, state, "momentum_buffer", opts, rows)
-        buf = g.clone() if step == 1 else buf.mul_(mu).add_(g)
-        self.write(p, state, "momentum_buffer", opts, buf, gen_fn, rows)
-        d = g.add(buf, alpha=mu) if opts.nesterov else buf
-        w32.add_(d, alpha=-lr)
-        self.finish(p, state, opts, w32, gen_fn, rows)
+    def flags(self, opts: SGDOptions, codecs: dict[str, StateCodec]) -> tuple[str, ...]:
+        return tuple(f for f, on in (("nesterov", opts.nesterov), ("decay", opts.weight_decay != 0)) if on)
+
+    def hyper(self, group, opts: SGDOptions, step: int) -> list[float]:
+        return [opts.weight_decay, opts.momentum, float(group["lr"]), 1.0 if step == 1 else 0.0]

@@ -32,16 +32,16 @@ def run(opt: torch.optim.Optimizer, ps: list[torch.Tensor], steps: range) -> Non
 
 
 def adamw(ps: list[torch.Tensor], **kw) -> LowBitAdamW:
-    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, **kw}
+    """LowBitAdamW over ``ps`` (eager unless ``fused=True``: test_fused.py holds the two equal)."""
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "fused": False, **kw}
     return LowBitAdamW([{"params": ps, "param_names": [f"p{i}" for i in range(len(ps))]}], **kw)
 
 
 def moments(opt: LowBitAdamW, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized (m, v) of ``p`` (v squared back when sqrt(v) is stored)."""
     opts = opt.options(opt.param_groups[0])
-    st = opt.state[p]
-    m, v = opt.read(p, st, "exp_avg", opts), opt.read(p, st, "exp_avg_sq", opts)
-    if opts.sqrt_exp_avg_sq and not opt.codec(p, "exp_avg_sq", opts).native:
+    m, v = opt.read(p, "exp_avg"), opt.read(p, "exp_avg_sq")
+    if opts.sqrt_exp_avg_sq and not opt.codec(p, "exp_avg_sq").native:
         v = v.square()
     return m, v
 

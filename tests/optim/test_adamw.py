@@ -11,23 +11,32 @@ from low_bits_training.optim import LowBitSGD, moment_bound
 STEPS = 20
 
 
-def test_fp32_states_equal_torch_adamw_bit_for_bit():
+# With fp32 states our update is torch's up to the last bit of some ops: every op is rounded once (torch's eager
+# lerp / addcmul / add(alpha) fuse a multiply-add on CPU, and its CPU sqrt is not correctly rounded; neither can
+# be reproduced by a compiled kernel, and the compiled kernel must equal ours bit for bit). After 20 steps the
+# weights (|w| ~ 1) differ by at most 2 ulps of 1 (measured 2.4e-7, on ~10% of the elements).
+ULPS_OF_ONE = 4 * torch.finfo(torch.float32).eps
+
+
+def test_fp32_states_equal_torch_adamw_to_an_ulp():
     ref, ps = params(), params()
     o_ref = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     run(o_ref, ref, range(STEPS))
     run(adamw(ps, exp_avg="fp32", exp_avg_sq="fp32"), ps, range(STEPS))
     for a, b in zip(ps, ref, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=ULPS_OF_ONE)
+        assert (a == b).float().mean() > 0.8  # most elements agree to the bit
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_fp32_buffer_equals_torch_sgd_bit_for_bit(nesterov):
+def test_fp32_buffer_equals_torch_sgd_to_an_ulp(nesterov):
     ref, ps = params(), params()
     kw = {"lr": 1e-2, "momentum": 0.9, "nesterov": nesterov, "weight_decay": 0.01}
     run(torch.optim.SGD(ref, foreach=False, **kw), ref, range(STEPS))
-    run(LowBitSGD(ps, momentum_buffer="fp32", **kw), ps, range(STEPS))
+    run(LowBitSGD(ps, momentum_buffer="fp32", fused=False, **kw), ps, range(STEPS))
     for a, b in zip(ps, ref, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=ULPS_OF_ONE)
+        assert (a == b).float().mean() > 0.8
 
 
 # (m format, v format) -> bounds on the relative Frobenius error of m, v after 20 steps and of the total
@@ -104,14 +113,16 @@ def test_v_floor_prevents_blowup_when_v_underflows():
     assert outs[True] < 0.02 < outs[False]  # exact Adam moves each weight by ~lr per step
 
 
-def test_row_chunks_give_the_same_states_and_weights():
+def test_chunks_give_the_same_states_and_weights():
+    # Nearest rounding: chunking changes nothing (it only keys the random streams of stochastic rounding).
     big, small = params(), params()
     kw = {"exp_avg": "int8_block128", "exp_avg_sq": "e2m1_block32_e8m0", "master_weights": "e4m3_block128"}
     o_big, o_small = adamw(big, **kw), adamw(small, **kw)
-    o_small.chunk_numel = 1000  # 3 rows of 256 per chunk: uneven last chunk
+    o_small.chunk_numel = 1000  # 7 rows of 128 (the group: lcm of the blocks) per chunk: uneven last chunk
     run(o_big, big, range(3))
     run(o_small, small, range(3))
-    assert len(o_small.row_chunks(small[0])) == 22 and len(o_big.row_chunks(big[0])) == 1
+    opts = o_big.options(o_big.param_groups[0])
+    assert len(o_small.layout(small[0], opts).chunks) == 19 and len(o_big.layout(big[0], opts).chunks) == 1
     for a, b in zip(big, small, strict=True):
         assert torch.equal(a, b)
         for k, v in o_big.state[a].items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from low_bits_training.formats import dequantize, quantize
+from low_bits_training.formats import decode, dequantize, quantize
 from low_bits_training.optim import AdamWOptions, SGDOptions, StateCodec, parse_state_format
 
 QUANTIZED = [
@@ -30,6 +30,23 @@ def test_codec_decode_equals_formats_dequantize_bit_for_bit(name):
     assert {k: v.dtype for k, v in parts.items()} == c.dtypes()
     assert {k: tuple(v.shape) for k, v in parts.items()} == c.part_shapes((8, 256))
     assert torch.equal(c.decode(parts, (8, 256)), dequantize(quantize(x, spec)))
+
+
+@pytest.mark.parametrize("name", [*QUANTIZED, "int4_block128_sr", "e2m1_block32_e8m0_sr", "e4m3_block128_sr"])
+def test_codec_codes_and_scales_equal_formats_quantize_bit_for_bit(name):
+    # The codec's own bit codes, packing and bf16 / e8m0 scale storage are formats.quantize's, stochastic
+    # rounding (counter-based key) included.
+    spec = parse_state_format(name)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 8)[:, None]
+    key = torch.tensor(1234, dtype=torch.int64)
+    parts, q = StateCodec(spec).encode(x, key), quantize(x, spec, key)
+    assert torch.equal(parts["_codes"].reshape(-1), q.codes)
+    scales = (
+        parts["_scales"].float()
+        if parts["_scales"].dtype != torch.uint8
+        else decode(parts["_scales"], spec.scale_format)
+    )
+    assert torch.equal(scales.reshape(-1), q.scales.reshape(-1))
 
 
 @pytest.mark.parametrize(

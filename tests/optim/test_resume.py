@@ -29,7 +29,7 @@ CASES = {
 
 
 def _build(cls, ps, kw):
-    base = {"lr": 1e-2, "weight_decay": 0.1, "min_quantized_numel": 0, "seed": 7}
+    base = {"lr": 1e-2, "weight_decay": 0.1, "min_quantized_numel": 0, "seed": 7, "fused": False}
     return cls([{"params": ps, "param_names": [f"layer.{i}.w" for i in range(len(ps))]}], **base, **kw)
 
 
@@ -83,6 +83,7 @@ def test_stochastic_streams_depend_on_seed_and_step():
         weight_decay=0.1,
         min_quantized_numel=0,
         seed=8,
+        fused=False,
         **kw,
     )
     run(opt, b, range(2))

@@ -1,0 +1,136 @@
+"""Per-parameter state layout, built once when a parameter's state is created.
+
+A ``ParamLayout`` fixes everything the update of one parameter shard needs that does not change from step to
+step: the codec of each state (its format if the shard fits it, else fp32), the master-weight format fitted
+to the shard, and the chunking. The update runs over row chunks of the flattened shard viewed as
+(rows, group): ``group`` is a multiple of every block (blocks never cross rows of the parameter, so the flat
+shard is a run of whole blocks), or the parameter's row length when master weights are scaled per row.
+Chunks hold about ``chunk_numel`` elements, so the temporaries of a step are O(chunk) whatever the
+parameter's size. ``KernelSpec`` is the hashable part the chunk update is specialised (and compiled) on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from low_bits_training.formats import QuantSpec
+
+from .codec import StateCodec
+from .dist import global_offset, local, shards_like
+from .master import master_spec
+from .presets import PRESETS
+
+FP32 = StateCodec(PRESETS["fp32"])
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a chunk update is specialised on; equal specs share one compiled kernel."""
+
+    kind: str
+    """"adamw" or "sgd"."""
+    states: tuple[tuple[str, StateCodec], ...]
+    """(state name, codec) in the order their parts are passed."""
+    master: QuantSpec | None
+    """Master-weight format fitted to the shard, or None (a plain copy into the parameter)."""
+    master_rounding: str
+    """"nearest", "stochastic" or "kahan" (a bf16 compensation tensor follows the state parts)."""
+    purposes: tuple[str, ...]
+    """Uses that draw random bits, in the order of the key tensor's columns."""
+    flags: tuple[str, ...] = ()
+    """Optimizer switches that change the code: "sqrt_v", "v_floor" (AdamW), "nesterov", "decay" (SGD)."""
+
+    def codec(self, name: str) -> StateCodec:
+        return dict(self.states)[name]
+
+    def key(self, keys: torch.Tensor | None, purpose: str) -> torch.Tensor | None:
+        """The key tensor of ``purpose`` from a chunk's keys (None if it draws no random bits)."""
+        return keys[self.purposes.index(purpose)] if purpose in self.purposes else None
+
+
+def state_codec(p: torch.Tensor, spec: QuantSpec, min_numel: int) -> StateCodec:
+    """The codec of a state of ``p``: ``spec`` if every shard fits its layout, else fp32 (norms, biases)."""
+    c = StateCodec(spec)
+    if c.native:
+        return c
+    shape, lshape = tuple(p.shape), tuple(local(p).shape)
+    if p.numel() < min_numel or p.dim() < 2 or not (c.fits(shape) and c.fits(lshape)):
+        return FP32
+    glob, loc = c.part_shapes(shape), c.part_shapes(lshape)
+    return c if all(shards_like(p, glob[k], loc[k]) for k in glob) else FP32
+
+
+def _group(shape: tuple[int, ...], codecs: list[StateCodec], master: QuantSpec | None) -> int:
+    g = math.lcm(1, *(c.group for c in codecs))
+    if master is not None and master.scaling == "block":
+        g = math.lcm(g, master.block_size)
+    if master is not None and master.scaling == "axis":
+        g = shape[-1]  # one scale per row: a row is the group (every state block divides it)
+    return g
+
+
+@dataclass
+class ParamLayout:
+    """How one parameter shard is updated: its ``KernelSpec`` and its chunks of rows of (rows, group)."""
+
+    spec: KernelSpec
+    rows: int
+    group: int
+    chunks: list[tuple[int, int]]
+    """(first row, end row) of each chunk."""
+    offset: tuple[int, ...]
+    """Global index of the shard's first element (keys the random streams)."""
+
+    @property
+    def starts(self) -> list[int]:
+        """First element of each chunk in the flat shard."""
+        return [r0 * self.group for r0, _ in self.chunks]
+
+    def tensors(self, p: torch.Tensor, state: dict) -> list[torch.Tensor]:
+        """(rows, ...) views of the parameter, its gradient and every stored part, in kernel order.
+
+        Raises:
+            ValueError: the parameter's local shard is not contiguous (its rows cannot be viewed in place).
+        """
+        w = local(p)
+        if not w.is_contiguous():
+            raise ValueError(
+                f"a low-bit optimizer needs contiguous parameter shards; got strides {w.stride()}"
+            )
+        out = [w.view(self.rows, -1), local(p.grad).reshape(self.rows, -1)]
+        for name, codec in self.spec.states:
+            out += [local(state[name + s]).view(self.rows, -1) for s in codec.dtypes()]
+        if self.spec.master_rounding == "kahan":
+            out.append(local(state["master_comp"]).view(self.rows, -1))
+        return out
+
+
+def build_layout(p: torch.Tensor, opts, kind: str, flags: Callable, chunk_numel: int) -> ParamLayout:
+    """The layout of ``p`` under validated group options ``opts`` (``AdamWOptions`` / ``SGDOptions``).
+
+    Args:
+        p: the parameter (a DTensor under FSDP2 / TP).
+        opts: the group's options.
+        kind: "adamw" or "sgd".
+        flags: state codecs (name -> codec) -> the optimizer's code switches (``KernelSpec.flags``).
+        chunk_numel: about how many elements one chunk holds.
+
+    Returns:
+        The layout (chunks cover every row of the local shard; a 0-d parameter is one row of one element).
+    """
+    lshape = tuple(local(p).shape)
+    states = tuple((n, state_codec(p, s, opts.min_quantized_numel)) for n, s in opts.state_specs().items())
+    master = opts.master_spec and master_spec(opts.master_spec, lshape, opts.master_rounding)
+    purposes = tuple(n for n, c in states if c.spec.rounding == "stochastic")
+    if opts.master_rounding == "stochastic":
+        purposes += ("master",)
+    spec = KernelSpec(kind, states, master, opts.master_rounding, purposes, tuple(flags(dict(states))))
+    group = _group(lshape or (1,), [c for _, c in states], master)
+    rows = math.prod(lshape) // group
+    per = max(1, chunk_numel // group)
+    chunks = [(r, min(r + per, rows)) for r in range(0, rows, per)]
+    return ParamLayout(spec, rows, group, chunks, global_offset(p))
