@@ -11,8 +11,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from low_bits_training.formats import QuantSpec, check_divisible, fake_quantize, scale_from_amax
-from low_bits_training.nn import rng
+from low_bits_training.formats import (
+    QuantSpec,
+    RandomSource,
+    check_divisible,
+    fake_quantize,
+    round_to,
+    scale_from_amax,
+)
+
+from . import delayed
 
 ShardGroups = tuple[tuple[int, object], ...]
 """``((dim, process_group), ...)``: dims of a local 2-D operand that are sharded, and over which group."""
@@ -52,17 +60,14 @@ def _global_amax(t: torch.Tensor, spec: QuantSpec, shards: ShardGroups) -> torch
     return amax
 
 
-def _generator(spec: QuantSpec, t: torch.Tensor) -> torch.Generator | None:
-    # Stochastic rounding draws from the layers' own per-step stream (see rng.py), never the global RNG.
-    return rng.generator_for(t.device) if spec.rounding == "stochastic" else None
-
-
-def _unscaled(spec: QuantSpec) -> QuantSpec:
-    return QuantSpec(spec.format, "none", rounding=spec.rounding, saturate=spec.saturate)
+def _round(scaled: torch.Tensor, spec: QuantSpec, key: RandomSource) -> torch.Tensor:
+    # ``fake_quantize`` under scaling "none" (the same rounding call), without building a QuantSpec in the
+    # graph (its validation cannot be traced by torch.compile).
+    return round_to(scaled, spec.elem, spec.rounding, spec.saturate, key)
 
 
 def scaled_values(
-    t: torch.Tensor, spec: QuantSpec, shards: ShardGroups = ()
+    t: torch.Tensor, spec: QuantSpec, shards: ShardGroups = (), key: RandomSource = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grid values and dequant scales of a tensor- or axis-scaled operand: ``t ~= q * scale``.
 
@@ -72,35 +77,94 @@ def scaled_values(
         t: 2-D operand (local shard under TP).
         spec: a "tensor" or "axis" spec.
         shards: sharded dims of ``t`` and their process groups.
+        key: random source of stochastic rounding (an int64 key tensor from ``nn.rng.role_key``).
 
     Returns:
         ``(q, scale)``: fp32 values on the element grid, fp32 scale of shape (1, 1), (M, 1) or (1, K).
     """
     amax = _global_amax(t, spec, shards)
     scale = scale_from_amax(amax, spec)
-    q = fake_quantize(t.to(torch.float32) / scale, _unscaled(spec), _generator(spec, t))
+    q = _round(t.to(torch.float32) / scale, spec, key)
     return q, scale
 
 
-def cast(t: torch.Tensor, spec: QuantSpec | None, shards: ShardGroups = ()) -> torch.Tensor:
+def delayed_values(
+    t: torch.Tensor,
+    spec: QuantSpec,
+    shards: ShardGroups,
+    key: RandomSource,
+    history: torch.Tensor,
+    record: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scaled_values`` of a delayed-scaled ("tensor", ``amax_history`` > 0) operand: the scale comes from
+    the role's amax history (``nn.delayed``), which this cast then extends when ``record`` is set.
+
+    Args:
+        t: 2-D operand (local shard under TP).
+        spec: its spec.
+        shards: sharded dims of ``t`` (the current amax is the global one).
+        key: random source of stochastic rounding.
+        history: the role's history row (updated in place).
+        record: push this cast's amax (training); False reads the history only (evaluation).
+
+    Returns:
+        ``(q, scale)`` as ``scaled_values``.
+    """
+    amax = delayed.reduce_amax(_global_amax(t, spec, shards))  # (1, 1)
+    scale = scale_from_amax(delayed.history_amax(history, spec, amax), spec)
+    if record:
+        delayed.record(history, spec, amax)
+    return _round(t.to(torch.float32) / scale, spec, key), scale
+
+
+def cast(
+    t: torch.Tensor,
+    spec: QuantSpec | None,
+    shards: ShardGroups = (),
+    key: RandomSource = None,
+    role: str = "operand",
+    history: torch.Tensor | None = None,
+    record: bool = False,
+) -> torch.Tensor:
     """``t`` as the low-bit format would carry it (fp32), or ``t`` in fp32 for high precision.
 
     Args:
         t: 2-D operand (local shard under TP).
         spec: the role's spec (axis already set to the contraction dim), or None.
         shards: sharded dims of ``t`` and their process groups.
+        key: random source of stochastic rounding (an int64 key tensor from ``nn.rng.role_key``; None:
+            torch's global RNG).
+        role: the operand's role name (``forward.input``, ...), for the error message.
+        history: the role's amax history row when ``spec`` is delayed-scaled (``nn.delayed``); None:
+            current scaling.
+        record: with a history, push this cast's amax into it (see ``delayed_values``).
 
     Returns:
         fp32 tensor of ``t``'s shape.
 
     Raises:
-        ValueError: the shape does not fit the spec (message names the role's dims and block size).
+        ValueError: the shape does not fit the spec (the message names the role, the shape and the block).
     """
     t = t.to(torch.float32)
     if spec is None:
         return t
-    if needs_global_amax(spec, t.dim(), shards):
-        q, scale = scaled_values(t, spec, shards)
+    if spec.amax_history and history is not None:
+        q, scale = delayed_values(t, spec, shards, key, history, record)
         return q * scale
-    check_divisible(t.shape, spec)
-    return fake_quantize(t, spec, _generator(spec, t))
+    if needs_global_amax(spec, t.dim(), shards):
+        q, scale = scaled_values(t, spec, shards, key)
+        return q * scale
+    check_fits(t.shape, spec, role)
+    return fake_quantize(t, spec, key)
+
+
+def check_fits(shape: torch.Size, spec: QuantSpec, role: str) -> None:
+    """``check_divisible`` with the role named in the one-line error.
+
+    Raises:
+        ValueError: ``role (shape): <why>``.
+    """
+    try:
+        check_divisible(shape, spec)
+    except ValueError as e:
+        raise ValueError(f"{role} {tuple(shape)} ({spec}): {e}") from None

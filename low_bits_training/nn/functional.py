@@ -2,7 +2,10 @@
 
 Every GEMM is ``out = A @ B`` with both operands cast by their role's spec; the table ``GEMM_OPERANDS``
 says which roles feed a GEMM and whether the natural (2-D) tensor is transposed after the cast. One
-function (``run_gemm``) walks it for all three GEMMs.
+function (``run_gemm``) walks it for all three GEMMs. Per role, before the cast: the tensor it reads (the
+operand, or the forward GEMM's cast of it, ``QuantSpec.source``) and a random Hadamard transform along the
+contraction dim (``QuantSpec.rht``, ``formats.hadamard``); the cast itself may scale from an amax history
+(delayed scaling, ``nn.delayed``).
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import kernels, observe
+from low_bits_training.formats import hadamard
+
+from . import kernels, probe, rng
 from .cast import ShardGroups, cast
-from .roles import ROLES, LinearPlan
+from .probe import NO_STATE, PROBE_OFF, LayerState, ProbeMode
+from .roles import GEMMS, ROLES, LinearPlan, source_key
 
 Shards = dict[str, ShardGroups]
 """Per operand name ("input", "weight", "grad_output"): its sharded dims under TP (empty: not sharded)."""
@@ -36,50 +42,122 @@ GEMM_OPERANDS: dict[str, GemmOperands] = {
 }
 
 
-def run_gemm(gemm: str, tensors: dict[str, torch.Tensor], plan: LinearPlan, shards: Shards) -> torch.Tensor:
+class GemmState(NamedTuple):
+    """``probe.LayerState`` plus the delayed-scaling amax history (``nn.delayed``): the tensors a quantized
+    layer hands its matmul. Any field may be None."""
+
+    key: torch.Tensor | None = None
+    stats: torch.Tensor | None = None
+    flags: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+    """float32 (len(ROLES), N): each role's amax history, newest first (``nn.delayed.new_history``)."""
+
+
+def _source(i: int, tensors: dict[str, torch.Tensor], spec) -> torch.Tensor:
+    """The tensor role ``ROLES[i]`` casts: its operand (or the forward cast, ``source``), RHT'd if asked."""
+    role = ROLES[i]
+    t = tensors[source_key(role, spec)]
+    if spec is not None and spec.rht:  # along the contraction dim; the GEMM's other operand gets the same
+        t = hadamard.rht(t, hadamard.sign_vector(spec.rht, spec.rht_seed), role.axis)
+    return t
+
+
+def _operand(i: int, t: torch.Tensor, spec, shards, state: GemmState, mode: ProbeMode, record: bool):
+    """Cast one operand (role ``ROLES[i]``) and record it in the layer's probe."""
+    key = rng.role_key(state.key, i) if spec is not None and spec.rounding == "stochastic" else None
+    history = (
+        state.history[i] if state.history is not None and spec is not None and spec.amax_history else None
+    )
+    q = cast(t, spec, shards, key, ROLES[i].name, history, record)
+    probe.record_operand(state, mode, i, t, spec, q if spec is not None else None)
+    return q
+
+
+def run_gemm(
+    gemm: str,
+    tensors: dict[str, torch.Tensor],
+    plan: LinearPlan,
+    shards: Shards,
+    state: LayerState | GemmState = NO_STATE,
+    mode: ProbeMode = PROBE_OFF,
+    record: bool = False,
+) -> torch.Tensor:
     """One GEMM of the layer, operands cast as the plan says.
 
     Args:
         gemm: "forward" | "dgrad" | "wgrad".
-        tensors: natural 2-D operands by name: input (M,K), weight (N,K), grad_output (M,N).
+        tensors: natural 2-D operands by name: input (M,K), weight (N,K), grad_output (M,N); each cast this
+            GEMM makes is added under its role name (``forward.weight``, ...), where a later GEMM's role
+            with ``source = "forward"`` reads it.
         plan: the layer's plan.
         shards: sharded dims per operand (tensor parallelism), see ``Shards``.
+        state: the layer's key, probe and amax-history tensors (``nn.probe``, ``nn.delayed``); empty: global
+            RNG for SR, no probes, current scaling.
+        mode: what the probe records.
+        record: delayed-scaled casts push their amax into the history (training; see ``nn.delayed``).
 
     Returns:
         fp32 product (forward (M,N), dgrad (M,K), wgrad (N,K)).
     """
+    state = GemmState(*state)
     op = GEMM_OPERANDS[gemm]
-    ra, rb = ROLES[op.a], ROLES[op.b]
     sa, sb = plan.specs[op.a], plan.specs[op.b]
-    a, b = tensors[ra.operand], tensors[rb.operand]
-    ga, gb = shards.get(ra.operand, ()), shards.get(rb.operand, ())
-    observe.emit(((ra, a, sa), (rb, b, sb)))  # statistics / NaN checks (no-op unless installed)
+    a, b = _source(op.a, tensors, sa), _source(op.b, tensors, sb)
+    ga, gb = shards.get(ROLES[op.a].operand, ()), shards.get(ROLES[op.b].operand, ())
     if plan.backend(gemm) == "real" and (sa is not None or sb is not None):
-        return observe.output(gemm, kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb))
-    a, b = cast(a, sa, ga), cast(b, sb, gb)
-    return observe.output(gemm, (a.t() if op.a_t else a) @ (b.t() if op.b_t else b))
+        probe.record_operand(state, mode, op.a, a, sa)
+        probe.record_operand(state, mode, op.b, b, sb)
+        y = kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
+    else:
+        a = tensors[ROLES[op.a].name] = _operand(op.a, a, sa, ga, state, mode, record)
+        b = tensors[ROLES[op.b].name] = _operand(op.b, b, sb, gb, state, mode, record)
+        y = (a.t() if op.a_t else a) @ (b.t() if op.b_t else b)
+    probe.record_output(state, mode, GEMMS.index(gemm), y)
+    return y
 
 
 class QuantMatmul(torch.autograd.Function):
-    """``y = x @ W^T`` with quantized forward, input-gradient and weight-gradient GEMMs."""
+    """``y = x @ W^T`` with quantized forward, input-gradient and weight-gradient GEMMs.
+
+    The layer's state tensors (key, statistics, flags, amax history) ride along as plain inputs and are kept
+    on ``ctx`` (not saved tensors: the probes and delayed scaling update them in place, which would trip
+    autograd's version check). Forward casts a backward role reads (``LinearPlan.saved_casts``) are saved.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, plan: LinearPlan, shards: Shards) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        key: torch.Tensor | None,
+        stats: torch.Tensor | None,
+        flags: torch.Tensor | None,
+        history: torch.Tensor | None,
+        plan: LinearPlan,
+        shards: Shards,
+        mode: ProbeMode,
+        record: bool,
+    ) -> torch.Tensor:
         # x (M, K), w (N, K); saved in high precision, cast again in backward per role.
-        ctx.save_for_backward(x, w)
-        ctx.plan, ctx.shards = plan, shards
-        return run_gemm("forward", {"input": x, "weight": w}, plan, shards).to(x.dtype)
+        ctx.plan, ctx.shards, ctx.mode, ctx.record = plan, shards, mode, record
+        ctx.state = GemmState(key, stats, flags, history)
+        tensors = {"input": x, "weight": w}
+        y = run_gemm("forward", tensors, plan, shards, ctx.state, mode, record)
+        ctx.save_for_backward(x, w, *(tensors[name] for name in plan.saved_casts))
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
+        x, w, *kept = ctx.saved_tensors
         tensors = {"input": x, "weight": w, "grad_output": dy}  # dy (M, N)
+        tensors.update(zip(ctx.plan.saved_casts, kept, strict=True))
         dx = dw = None
+        args = (tensors, ctx.plan, ctx.shards, ctx.state, ctx.mode, ctx.record)
         if ctx.needs_input_grad[0]:
-            dx = run_gemm("dgrad", tensors, ctx.plan, ctx.shards).to(x.dtype)
+            dx = run_gemm("dgrad", *args).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = run_gemm("wgrad", tensors, ctx.plan, ctx.shards).to(w.dtype)
-        return dx, dw, None, None
+            dw = run_gemm("wgrad", *args).to(w.dtype)
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def quant_linear(
@@ -88,6 +166,7 @@ def quant_linear(
     bias: torch.Tensor | None,
     plan: LinearPlan,
     shards: Shards | None = None,
+    state: LayerState | GemmState = NO_STATE,
 ) -> torch.Tensor:
     """``F.linear`` with the plan's casts on all three GEMMs (plain tensors; see ``tp.py`` for DTensors).
 
@@ -97,6 +176,8 @@ def quant_linear(
         bias: (N,) or None; added in high precision.
         plan: the layer's plan; an all-high-precision plan is exactly ``F.linear``.
         shards: sharded dims per operand when these are TP-local shards.
+        state: the layer's key, probe and amax-history tensors (``nn.probe``, ``nn.delayed``); what is
+            recorded follows ``probe.mode()``; amax histories grow only with grad enabled (training).
 
     Returns:
         (..., N) in x's dtype.
@@ -107,6 +188,8 @@ def quant_linear(
     if plan.is_high_precision:
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
-    y = QuantMatmul.apply(x.reshape(-1, x.shape[-1]), weight, plan, shards or {})  # (M, N)
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    record = torch.is_grad_enabled()  # evaluation forwards read amax histories but do not extend them
+    y = QuantMatmul.apply(x2, weight, *GemmState(*state), plan, shards or {}, probe.mode(), record)  # (M, N)
     y = y.reshape(*lead, weight.shape[0])
     return y if bias is None else y + bias

@@ -1,10 +1,13 @@
-"""Real low-bit GEMM kernels, and which GEMMs they can run.
+"""Our own real fp8 GEMM (``torch._scaled_mm``), kept as a reference; torchao's modules are the real kernels.
 
-- fp8 (e4m3 / e5m2, tensorwise or rowwise fp32 scales): ``torch._scaled_mm``. It runs on CUDA SM89+ and,
-  in torch 2.14.1, also on CPU (a reference kernel: slower than an fp32 matmul there, but a real fp8 GEMM
-  to hold the emulation to).
-- MXFP8 / NVFP4 need torchao's blocked-scale kernels on SM100 (B200). Not wired here: no such hardware to
-  test on; ``backend = "real"`` refuses them with a one-line reason and ``auto`` falls back to emulation.
+- Real kernels come from torchao: ``nn.torchao_modules`` (which torchao module computes a plan) and the torchao
+  backend (``config.backends``, ``titan.torchao_backend``).
+- ``scaled_mm`` here: our cast + ``torch._scaled_mm`` (fp8 e4m3/e5m2, tensorwise or rowwise fp32 scales). It is
+  a real fp8 GEMM that also runs on the CPU in torch 2.14.1, and the emulation is held to it bit for bit
+  (tests/nn/test_scaled_mm.py): an outside check of our casts. It stays reachable from Python
+  (``LinearPlan(backends=("real",) * 3)``) but is not offered in TOML: on a GPU torchao's modules are the
+  faster path (fused casts, fp8 all-gather under FSDP2, compile support), and two hand-written real paths
+  would be two things to keep right.
 """
 
 from __future__ import annotations

@@ -5,14 +5,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import delayed, probe, rng
+from .functional import GemmState
 from .roles import LinearPlan
 from .tp import linear
+
+STATE_BUFFERS = ("lbt_key", "lbt_stats", "lbt_flags")
+"""Non-persistent buffers of a quantized layer (``probe.LayerState``): never in a checkpoint."""
+HISTORY_BUFFER = "lbt_amax_history"
+"""The persistent amax-history buffer of a layer with delayed-scaled roles (``nn.delayed``): checkpointed,
+so a resumed run scales exactly as an uninterrupted one."""
 
 
 class QuantLinear(nn.Linear):
     """A drop-in ``nn.Linear``: same parameters and state_dict keys, quantized GEMMs.
 
-    Checkpoints move freely between ``nn.Linear`` and ``QuantLinear`` (the plan is not state).
+    Checkpoints move freely between ``nn.Linear`` and ``QuantLinear`` (the plan is not state). Beside the
+    parameters a QuantLinear carries three small non-persistent buffers (``STATE_BUFFERS``): its random
+    key for stochastic rounding and its numerics probes (see ``nn.probe``), updated inside the compiled
+    graph, so the layer compiles with ``fullgraph=True`` and needs no hooks. A plan with delayed-scaled
+    roles adds one persistent buffer, the amax history (``HISTORY_BUFFER``): that layer's checkpoints carry it.
     """
 
     def __init__(
@@ -26,16 +38,37 @@ class QuantLinear(nn.Linear):
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.plan = plan or LinearPlan()
+        self.init_state_buffers(device)
+
+    def init_state_buffers(self, device=None, name: str = "") -> None:
+        """(Re)create the key and probe buffers on ``device``; the key derives from the layer's ``name``.
+        With delayed-scaled roles also the amax history (``HISTORY_BUFFER``, persistent: in checkpoints)."""
+        key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
+        self.register_buffer("lbt_key", key, persistent=False)
+        self.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
+        self.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
+        history = delayed.new_history(self.plan.specs, device)
+        if history is not None:
+            self.register_buffer(HISTORY_BUFFER, history, persistent=True)
+
+    def set_name(self, name: str) -> None:
+        """Key this layer's random streams by its FQN (so every layer rounds with its own bits)."""
+        self.lbt_key.fill_(rng.layer_key(name))
+
+    @property
+    def state(self) -> GemmState:
+        return GemmState(self.lbt_key, self.lbt_stats, self.lbt_flags, getattr(self, HISTORY_BUFFER, None))
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, plan: LinearPlan) -> QuantLinear:
         """A QuantLinear sharing ``lin``'s parameters."""
         q = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, plan=plan, device="meta")
         q.weight, q.bias = lin.weight, lin.bias
+        q.init_state_buffers(lin.weight.device)
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.plan)
+        return linear(x, self.weight, self.bias, self.plan, self.state)
 
     def extra_repr(self) -> str:
         n = sum(s is not None for s in self.plan.specs)

@@ -1,34 +1,59 @@
-"""The random stream stochastic rounding in quantized layers draws from.
+"""Where stochastic rounding in quantized layers gets its random bits: counter-based keys, no generators.
 
-Not the global RNG: anything else that draws from it (a lazy first-step initialisation, a compile, a data
-transform) would shift the numbers the layers get, so a resumed run would round differently from an
-uninterrupted one. The trainer calls ``set_step_seed`` at the start of every step; each device then gets its
-own generator seeded from (step seed, device), consumed in the deterministic order of the layers' casts.
-Without a step seed (plain module use, tests), the global RNG is used.
+The bits of one cast are ``formats.random_bits(shape, key)`` with
+
+    key = fold_key(step_key XOR layer_key, role index)
+
+- ``step_key``: one int64 tensor for the whole process, set by the trainer before every microbatch from
+  ``derive_key(seed, step, microbatch, rank)`` (``set_step_key``). It is a graph *input* under torch.compile
+  (read at run time, never baked in), so a new step needs no recompile.
+- ``layer_key``: a per-layer int64 buffer (``derive_key(fqn)``), so every layer draws other bits.
+- the role index (0..5, ``nn.roles.ROLES``): the same for every layer, a constant in the graph.
+
+A resumed run therefore rounds exactly as an uninterrupted one (everything derives from the seed and the
+step), compiled and eager runs round alike, and nothing else that draws from torch's RNG shifts the bits.
+Without a step key (plain module use outside the trainer) SR falls back to torch's global RNG.
 """
 
 from __future__ import annotations
 
 import torch
 
-_step_seed: int | None = None
-_generators: dict[torch.device, torch.Generator] = {}
+from low_bits_training.formats import derive_key, fold_key
+
+_KEY_MASK = (1 << 62) - 1
+_state: dict[str, torch.Tensor | None] = {"step": None}
 
 
-def set_step_seed(seed: int | None) -> None:
-    """Start the layers' streams for one step (None: fall back to the global RNG)."""
-    global _step_seed
-    _step_seed = seed
-    _generators.clear()
+def set_step_key(key: int | None) -> None:
+    """Set (in place, so compiled graphs see it) or clear the process-wide step key."""
+    if key is None:
+        _state["step"] = None
+    elif _state["step"] is None:
+        _state["step"] = torch.tensor(key & _KEY_MASK, dtype=torch.int64)
+    else:
+        _state["step"].fill_(key & _KEY_MASK)
 
 
-def generator_for(device: torch.device) -> torch.Generator | None:
-    """The current step's generator on ``device``, created on first use; None without a step seed."""
-    if _step_seed is None:
+def step_key() -> torch.Tensor | None:
+    """The current step key tensor (CPU int64, 0-d), or None when unset."""
+    return _state["step"]
+
+
+def layer_key(fqn: str) -> int:
+    """The key of a layer named ``fqn`` (the same on every rank and in every run)."""
+    return derive_key("layer", fqn) & _KEY_MASK
+
+
+def role_key(layer: torch.Tensor | None, role: int) -> torch.Tensor | None:
+    """The SR key of one role of one layer in the current step, or None (torch's global RNG).
+
+    Args:
+        layer: the layer's int64 key buffer (0-d), or None for a layer without one.
+        role: index into ``nn.roles.ROLES`` (or any small int naming a cast of the layer).
+    """
+    step = _state["step"]
+    if step is None:
         return None
-    device = torch.device(device)
-    gen = _generators.get(device)
-    if gen is None:
-        seed = (_step_seed + 1_000_003 * (device.index or 0)) & ((1 << 63) - 1)
-        gen = _generators[device] = torch.Generator(device=device).manual_seed(seed)
-    return gen
+    base = step if layer is None else torch.bitwise_xor(step.to(layer.device), layer)
+    return fold_key(base, role)

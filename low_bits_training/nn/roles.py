@@ -24,7 +24,9 @@ from typing import Literal, NamedTuple
 from low_bits_training.formats import QuantSpec
 
 Gemm = Literal["forward", "dgrad", "wgrad"]
-Backend = Literal["emulate", "real"]
+Backend = Literal["emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
+"""Who runs a GEMM: our emulation, our ``_scaled_mm`` reference (``nn.kernels``, not offered in TOML),
+torchao's module with its kernel or in its emulated mode, or a module torchtitan's own converter made."""
 
 
 class Role(NamedTuple):
@@ -54,6 +56,52 @@ ROLE_NAMES: tuple[str, ...] = tuple(r.name for r in ROLES)
 GEMMS: tuple[str, ...] = ("forward", "dgrad", "wgrad")
 
 
+FORWARD_SOURCES: dict[str, str] = {"dgrad.weight": "forward.weight", "wgrad.input": "forward.input"}
+"""Roles that may be cast from the forward GEMM's cast of their tensor (``QuantSpec.source = "forward"``),
+and that cast's role."""
+
+
+def source_key(role: Role, spec: QuantSpec | None) -> str:
+    """Which tensor a role's cast reads: its natural operand, or the forward cast (a role name; the GEMMs
+    keep every cast they make under its role's name)."""
+    if spec is not None and spec.source == "forward":
+        return FORWARD_SOURCES[role.name]
+    return role.operand
+
+
+def operand_problem(specs: tuple[QuantSpec | None, ...], backends: tuple[str, ...]) -> str | None:
+    """Why a layer's role specs cannot run together (None: they can). The one check ``LinearPlan`` and the
+    TOML plan (``config.plan``) share.
+
+    - ``source = "forward"`` only where a forward cast of the same tensor exists (``FORWARD_SOURCES``), and not
+      from a forward cast made after an RHT (that copy lives in the rotated basis);
+    - an RHT must be the same (size and seed) on both operands of a GEMM, or it does not cancel;
+    - the ``_scaled_mm`` reference ("real") casts from the high-precision tensor with current scaling.
+    """
+    by = dict(zip(ROLE_NAMES, specs, strict=True))
+    for name, spec in by.items():
+        if spec is None or spec.source == "high":
+            continue
+        if name not in FORWARD_SOURCES:
+            return f"{name}: source = 'forward' is for {' and '.join(FORWARD_SOURCES)} only"
+        fwd = by[FORWARD_SOURCES[name]]
+        if fwd is not None and fwd.rht:
+            return f"{name}: source = 'forward' reads {FORWARD_SOURCES[name]}, which has an RHT (rht = {fwd.rht})"
+    for gemm, backend in zip(GEMMS, backends, strict=True):
+        a, b = (by[r.name] for r in ROLES if r.gemm == gemm)
+        ta, tb = ((s.rht, s.rht_seed) if s is not None else (0, 0) for s in (a, b))
+        if ta != tb:
+            return (
+                f"{gemm}: the RHT (rht, rht_seed) of its operands differ, {ta} vs {tb}; it cancels in the "
+                "product only when both operands carry the same one"
+            )
+        if backend == "real" and any(
+            s is not None and (s.amax_history or s.source != "high") for s in (a, b)
+        ):
+            return f"{gemm}: the 'real' (_scaled_mm) backend casts with current scaling from the high-precision tensor"
+    return None
+
+
 def along_contraction(spec: QuantSpec | None, role: Role) -> QuantSpec | None:
     """``spec`` with its axis set to ``role``'s contraction dim (axis/block scaling; no-op otherwise)."""
     if spec is None or spec.scaling not in ("axis", "block"):
@@ -72,13 +120,17 @@ class LinearPlan:
     specs: tuple[QuantSpec | None, ...] = (None,) * len(ROLES)
     """One spec (or None) per role, in ``ROLES`` order."""
     backends: tuple[Backend, ...] = ("emulate",) * len(GEMMS)
-    """Per GEMM (``GEMMS`` order): "emulate" (fake-quantize, fp32 matmul) or "real" (``torch._scaled_mm``)."""
+    """Per GEMM (``GEMMS`` order), see ``Backend``. Only "emulate" and "real" run inside ``QuantMatmul``; the
+    others name layers handed to another module (``config.backends.gemm_backend`` decides)."""
 
     def __post_init__(self) -> None:
         if len(self.specs) != len(ROLES) or len(self.backends) != len(GEMMS):
             raise ValueError(f"LinearPlan needs {len(ROLES)} specs and {len(GEMMS)} backends")
         fixed = tuple(along_contraction(s, r) for s, r in zip(self.specs, ROLES, strict=True))
         object.__setattr__(self, "specs", fixed)
+        problem = operand_problem(self.specs, self.backends)
+        if problem:
+            raise ValueError(f"LinearPlan: {problem}")
 
     @classmethod
     def from_roles(cls, specs: dict[str, QuantSpec | None], backend: Backend = "emulate") -> LinearPlan:
@@ -102,3 +154,12 @@ class LinearPlan:
     @property
     def is_high_precision(self) -> bool:
         return all(s is None for s in self.specs)
+
+    @property
+    def saved_casts(self) -> tuple[str, ...]:
+        """Forward casts a backward GEMM reads (``source = "forward"``): kept from forward to backward."""
+        return tuple(
+            FORWARD_SOURCES[r.name]
+            for r, s in zip(ROLES, self.specs, strict=True)
+            if s and s.source == "forward"
+        )

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .functional import quant_linear
+from .probe import NO_STATE, LayerState
 from .roles import LinearPlan
 
 
@@ -50,7 +51,9 @@ def _rule(px, pw, ndim: int):
     )
 
 
-def dtensor_quant_linear(x: DTensor, weight: DTensor, bias, plan: LinearPlan) -> DTensor:
+def dtensor_quant_linear(
+    x: DTensor, weight: DTensor, bias, plan: LinearPlan, state: LayerState = NO_STATE
+) -> DTensor:
     """``quant_linear`` on DTensor input and weight (same mesh), returning a DTensor.
 
     Tokens sharded over a mesh dim (Shard of the batch/sequence dim) count as one token dim: the 2-D view is
@@ -74,12 +77,14 @@ def dtensor_quant_linear(x: DTensor, weight: DTensor, bias, plan: LinearPlan) ->
             shards[operand] = (*shards.get(operand, ()), (d, mesh.get_group(i)))
     xl = x.to_local(grad_placements=dx_p)
     wl = weight.to_local(grad_placements=dw_p)
-    y = DTensor.from_local(quant_linear(xl, wl, None, plan, shards), mesh, out_p, run_check=False)
+    y = DTensor.from_local(quant_linear(xl, wl, None, plan, shards, state), mesh, out_p, run_check=False)
     return y if bias is None else y + bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias, plan: LinearPlan) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias, plan: LinearPlan, state: LayerState = NO_STATE
+) -> torch.Tensor:
     """The quantized linear on plain tensors or DTensors (dispatch on the weight)."""
     if isinstance(weight, DTensor):
-        return dtensor_quant_linear(x, weight, bias, plan)
-    return quant_linear(x, weight, bias, plan)
+        return dtensor_quant_linear(x, weight, bias, plan, state)
+    return quant_linear(x, weight, bias, plan, None, state)

@@ -87,6 +87,9 @@ def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def exponent_histogram(v: torch.Tensor) -> torch.Tensor:
     """Counts of floor(log2 |v|) over the nonzero finite values, clipped to [HIST_LO, HIST_HI) (float64).
 
+    Static shapes only (one scatter-add into N_BINS + 1 buckets, the last one collecting zeros and
+    non-finite values), so it runs inside compiled graphs.
+
     Args:
         v: any tensor (typically x / scale).
 
@@ -94,9 +97,12 @@ def exponent_histogram(v: torch.Tensor) -> torch.Tensor:
         (N_BINS,) float64 counts; bucket i is exponent HIST_LO + i.
     """
     a = v.detach().abs().flatten().to(torch.float32)
-    a = a[(a > 0) & torch.isfinite(a)]
-    e = torch.floor(torch.log2(a)).clamp_(HIST_LO, HIST_HI - 1).to(torch.int64) - HIST_LO
-    return torch.bincount(e, minlength=N_BINS).to(torch.float64)
+    valid = (a > 0) & torch.isfinite(a)
+    e = torch.floor(torch.log2(torch.where(valid, a, 1.0))).clamp_(HIST_LO, HIST_HI - 1).to(torch.int64)
+    idx = torch.where(valid, e - HIST_LO, N_BINS)
+    counts = torch.zeros(N_BINS + 1, dtype=torch.float64, device=a.device)
+    counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
+    return counts[:N_BINS]
 
 
 def operand_stats(x: torch.Tensor, spec: QuantSpec, q: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,7 +145,7 @@ def operand_stats(x: torch.Tensor, spec: QuantSpec, q: torch.Tensor | None = Non
     }
     for name, v in vals.items():
         out[_INDEX[name]] = v
-    out[len(FIELDS) :] = exponent_histogram(scaled).to(x.device)
+    out[len(FIELDS) :] = exponent_histogram(scaled)
     return out
 
 

@@ -19,7 +19,14 @@ FLOORS = {
     "mxfp8": (27.5, 27.5, 27.5),
     "mxfp6": (26.0, 23.5, 23.5),  # e3m2 gradients
     "mxfp4": (13.8, 14.8, 14.8),
-    "nvfp4": (15.8, 14.0, 14.5),
+    "nvfp4": (15.8, 14.0, 14.3),  # RHT on wgrad: no SQNR gain on these operands (docs/precision_plan.md)
+    "nvfp4_no_rht": (15.8, 14.0, 14.5),
+    "nvfp4_no_sr": (15.8, 15.7, 16.4),
+    "nvfp4_1d_weights": (16.5, 14.5, 14.3),
+    "nvfp4_4over6": (15.9, 14.2, 14.9),
+    "mxfp8_2d_weights": (27.5, 27.5, 27.5),
+    "fp8_rowwise_2d_weights": (27.5, 27.5, 27.5),
+    "fp8_delayed": (27.5, 23.5, 23.5),  # one call: an empty history scales as current scaling
     "int8": (34.0, 38.5, 39.0),
 }
 HP_FLOOR = {torch.float32: 120.0, torch.bfloat16: 50.0}

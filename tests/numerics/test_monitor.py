@@ -1,4 +1,4 @@
-"""The observer wiring at unit level: statistics per (layer, role) and the first NaN / Inf, on QuantLinears."""
+"""The in-graph probes at unit level: statistics per (layer, role) and the first NaN / Inf, on QuantLinears."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import LinearPlan
+from low_bits_training.nn import LinearPlan, ProbeMode, probe
 from low_bits_training.nn.linear import QuantLinear
 from low_bits_training.nn.roles import ROLE_NAMES
 from low_bits_training.numerics import operand_stats, summarize
@@ -96,12 +96,13 @@ def test_nan_in_backward_names_the_dgrad_role(tmp_path, x):
     assert (ev.module, ev.role) == ("1", "dgrad.grad_output")
 
 
-def test_off_installs_nothing(tmp_path, x):
+def test_off_records_nothing(tmp_path, x):
     model = _model()
     mon = NumericsMonitor(NumericsConfig(nonfinite="off"), [model], str(tmp_path))
     with torch.no_grad():
         model[0].weight.fill_(float("nan"))
-    assert _step(model, mon, x) is None and not mon._undo
+    assert _step(model, mon, x) is None
+    assert probe.mode() == ProbeMode() and not model[0].lbt_flags.any()
 
 
 @pytest.mark.parametrize("kw", [{"stats_freq": -1}, {"nonfinite": "panic"}])
@@ -109,3 +110,35 @@ def test_config_errors_are_one_line(kw):
     with pytest.raises(ValueError, match=r"^numerics\.\w+ = .*expected") as e:
         NumericsConfig(**kw).check()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_compiled_layers_record_the_same_statistics_and_flags(tmp_path, x):
+    # The probes live inside the graph: a fullgraph-compiled model gives the eager rows and the same first NaN.
+    out = {}
+    for mode in ("eager", "compiled"):
+        model = _model()
+        run = torch.compile(model, fullgraph=True) if mode == "compiled" else model
+        mon = NumericsMonitor(NumericsConfig(stats_freq=1), [model], str(tmp_path / mode))
+        (tmp_path / mode).mkdir()
+        try:
+            assert _step(run, mon, x) is None
+            mon.flush(None)
+            with torch.no_grad():
+                model[1].weight[0, 0] = float("inf")
+            out[mode] = (_step(run, mon, x, step=2), (tmp_path / mode / "numerics.jsonl").read_text())
+        finally:
+            mon.close()
+    assert out["eager"][0] == out["compiled"][0]
+    assert (out["eager"][0].module, out["eager"][0].role) == ("1", "forward.weight")
+    eager_rows = [json.loads(r) for r in out["eager"][1].splitlines()]
+    comp_rows = [json.loads(r) for r in out["compiled"][1].splitlines()]
+    assert len(eager_rows) == len(comp_rows) == 10  # layer 0 runs no dgrad (its input needs no grad)
+    for e, c in zip(eager_rows, comp_rows, strict=True):
+        assert (e["layer"], e["role"], e["underflow"], e["amax"]) == (
+            c["layer"],
+            c["role"],
+            c["underflow"],
+            c["amax"],
+        )
+        assert e["sqnr_db"] == pytest.approx(c["sqnr_db"], rel=1e-5)

@@ -1,0 +1,309 @@
+"""The quantized grouped GEMM of mixture-of-experts layers: every expert is a linear layer under one plan.
+
+The routed tokens arrive sorted by expert: ``x`` (R, K), expert ``e`` owning rows ``offs[e-1]:offs[e]``
+(``offs`` (E,) cumulative int32, as ``torch._grouped_mm`` takes them); rows past ``offs[-1]`` belong to no
+expert (the padded tail of a static-size dispatch). The weights are stacked ``w`` (E, N, K), ``w[e]`` laid
+out as a linear weight. Expert ``e`` computes ``y_e = x_e @ w[e]^T`` and, in backward, the dgrad and wgrad
+GEMMs of a linear layer; the six roles of ``nn.roles`` apply to it unchanged (the same spec, the same
+contraction-dim axis).
+
+"Per expert group" means that every scale a ``QuantLinear`` takes over a whole operand is taken over one
+expert's part of it: a tensor scale per expert, a column scale (wgrad, along the tokens) per expert and
+column, the fp32 tensor scale of two-level scaling per expert. Blocks and tiles along the token dim must
+not straddle two experts: the token dispatcher pads each expert's rows to ``pad_multiple(plan)`` with zero
+rows (zeros change no amax and quantize to zero), so a grouped cast equals, bit for bit, the cast of each
+expert's zero-padded rows on its own (``tests/nn/test_grouped.py`` holds it to that).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from low_bits_training.formats import (
+    QuantSpec,
+    fake_quantize,
+    get_format,
+    group_amax,
+    grouped_shape,
+    round_to,
+    scale_from_amax,
+)
+
+from . import probe, rng
+from .cast import check_fits
+from .functional import GEMM_OPERANDS
+from .probe import LayerState, ProbeMode
+from .roles import GEMMS, ROLES, LinearPlan
+
+_TOKEN_OPERANDS = ("input", "grad_output")
+_NO_STATE, _NO_PROBE = LayerState(), ProbeMode()
+
+
+def pad_multiple(plan: LinearPlan) -> int:
+    """The row multiple each expert's token group needs under ``plan`` (1: none).
+
+    Blocks along the token dim (the wgrad roles' axis 0) and tiles over any token operand group rows; the
+    result is the least common multiple of their sizes.
+    """
+    sizes = [
+        s.block_size
+        for s, r in zip(plan.specs, ROLES, strict=True)
+        if s is not None
+        and r.operand in _TOKEN_OPERANDS
+        and (s.scaling == "tile" or (s.scaling == "block" and r.axis == 0))
+    ]
+    return math.lcm(1, *sizes)
+
+
+def token_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of every row: (rows,) int64 in 0..E, E for rows past ``offs[-1]``."""
+    r = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, r, right=True)
+
+
+def weight_groups(experts: int, rows_per_expert: int, device=None) -> torch.Tensor:
+    """The expert of every row of the stacked weight viewed as (E * N, K)."""
+    return torch.arange(experts, device=device).repeat_interleave(rows_per_expert)
+
+
+def _reduces_rows(spec: QuantSpec) -> bool:
+    # A scale taken over rows (the dim the expert groups run along) must be taken per group.
+    return spec.scaling == "tensor" or spec.tensor_scale or (spec.scaling == "axis" and spec.axis % 2 == 0)
+
+
+def _segment_amax(a: torch.Tensor, gid: torch.Tensor, groups: int) -> torch.Tensor:
+    """amax over the rows of each group of a non-negative (R, C) tensor -> (groups + 1, C)."""
+    out = torch.zeros(groups + 1, a.shape[1], dtype=a.dtype, device=a.device)
+    return out.scatter_reduce(0, gid[:, None].expand_as(a), a, "amax", include_self=True)
+
+
+def _row_amax(t: torch.Tensor, spec: QuantSpec, gid: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each row's view of its group's amax: (R, 1) for tensor / two-level scales, (R, C) for columns."""
+    a = t.abs()
+    if spec.scaling == "axis" and not spec.tensor_scale:  # one scale per column, per group
+        return _segment_amax(a, gid, groups)[gid]
+    rows = group_amax(a, (1,))  # (R, 1)
+    return _segment_amax(rows, gid, groups)[gid]
+
+
+def _round(t: torch.Tensor, spec: QuantSpec, key) -> torch.Tensor:
+    # fake_quantize without scaling (no QuantSpec is built here: dataclass construction does not trace).
+    return round_to(t, spec.elem, spec.rounding, spec.saturate, key)
+
+
+def _two_level_scale(t: torch.Tensor, spec: QuantSpec, tamax: torch.Tensor) -> torch.Tensor:
+    """Block scale x per-group tensor scale of a two-level spec, in the grouped view of ``t``.
+
+    The tensor scale is ``formats.scaling.group_scales``'s, with the group's amax for the tensor's.
+    """
+    gshape, dims = grouped_shape(t.shape, spec)
+    block_amax = group_amax(t.reshape(gshape), dims)
+    ts = torch.where(tamax == 0, 1.0, tamax / (get_format(spec.scale_format).max * spec.elem.max))
+    ts = group_amax(ts.expand_as(t).reshape(gshape), dims)  # every block lies in one group
+    return scale_from_amax(block_amax, spec, tensor_scale=ts) * ts
+
+
+def group_cast(
+    t: torch.Tensor,
+    spec: QuantSpec | None,
+    gid: torch.Tensor,
+    groups: int,
+    key: torch.Tensor | None = None,
+    role: str = "operand",
+) -> torch.Tensor:
+    """Cast a row-grouped 2-D operand with every whole-operand scale taken per group (fp32 out).
+
+    Args:
+        t: (R, C) operand; its rows are grouped by ``gid``.
+        spec: the role's spec (axis already the GEMM's contraction dim), or None for high precision.
+        gid: (R,) group of every row, 0..groups (``groups``: rows that belong to no group).
+        groups: number of groups.
+        key: int64 key tensor for stochastic rounding (None: torch's global RNG).
+        role: role name for the error message.
+
+    Returns:
+        fp32 (R, C): ``fake_quantize`` of each group on its own, stacked.
+
+    Raises:
+        ValueError: the shape does not fit the spec (a block size that does not divide a dim).
+    """
+    t = t.to(torch.float32)
+    if spec is None:
+        return t
+    check_fits(t.shape, spec, role)
+    if not _reduces_rows(spec):  # rows (or aligned row blocks) are quantized on their own already
+        return fake_quantize(t, spec, key)
+    amax = _row_amax(t, spec, gid, groups)
+    if spec.tensor_scale:
+        gshape, _ = grouped_shape(t.shape, spec)
+        scale = _two_level_scale(t, spec, amax)
+        tg = t.reshape(gshape)
+        return (_round(tg / scale, spec, key) * scale).reshape(t.shape)
+    scale = scale_from_amax(amax, spec)  # the per-group scale, broadcast to each row (or element)
+    return _round(t / scale, spec, key) * scale
+
+
+@torch.library.custom_op("lbt::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` for any float dtype (its compile-time shape function accepts only bf16).
+
+    One matmul per group, in ``a``'s dtype (an opaque op under torch.compile; the emulation's reference
+    GEMM, not a fast one). Forms: a (R, K) x b (E, K, N) -> (R, N), group e the rows ``offs[e-1]:offs[e]``
+    of a, rows past ``offs[-1]`` 0; a (N, R) x b (R, K) -> (E, N, K), group e the columns / rows of R.
+    """
+    ends = offs.tolist()
+    spans = [(e, s, t) for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if t > s]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for e, s, t in spans:
+            out[s:t] = a[s:t] @ b[e]
+        return out
+    out = a.new_zeros(len(ends), a.shape[0], b.shape[1])
+    for e, s, t in spans:
+        out[e] = a[:, s:t] @ b[s:t]
+    return out
+
+
+@grouped_mm.register_fake
+def _grouped_mm_shape(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+class Groups:
+    """The grouping of one grouped GEMM: token rows by expert, weight rows by expert."""
+
+    def __init__(self, offs: torch.Tensor, rows: int, weight_shape: torch.Size):
+        self.offs = offs
+        self.experts, self.n, self.k = weight_shape
+        self.tokens = token_groups(offs, rows)  # (R,)
+        self.weights = weight_groups(self.experts, self.n, offs.device)  # (E * N,)
+
+    def of(self, operand: str) -> torch.Tensor:
+        return self.weights if operand == "weight" else self.tokens
+
+
+def _operand(i: int, t: torch.Tensor, spec, groups: Groups, state: LayerState, mode: ProbeMode):
+    key = rng.role_key(state.key, i) if spec is not None and spec.rounding == "stochastic" else None
+    q = group_cast(t, spec, groups.of(ROLES[i].operand), groups.experts, key, ROLES[i].name)
+    probe.record_operand(state, mode, i, t, spec, q if spec is not None else None)
+    return q
+
+
+def _grouped_view(q: torch.Tensor, operand: str, transpose: bool, groups: Groups) -> torch.Tensor:
+    # The stacked weight goes to _grouped_mm as (E, N, K) (or its per-expert transpose); tokens stay 2-D.
+    if operand == "weight":
+        q = q.view(groups.experts, groups.n, groups.k)
+        return q.transpose(-2, -1) if transpose else q
+    return q.t() if transpose else q
+
+
+def run_grouped_gemm(
+    gemm: str,
+    tensors: dict[str, torch.Tensor],
+    plan: LinearPlan,
+    groups: Groups,
+    state: LayerState = _NO_STATE,
+    mode: ProbeMode = _NO_PROBE,
+) -> torch.Tensor:
+    """One GEMM of every expert at once, operands cast per expert group (walks ``GEMM_OPERANDS``).
+
+    Args:
+        gemm: "forward" | "dgrad" | "wgrad".
+        tensors: input (R, K), weight (E * N, K), grad_output (R, N).
+        plan: the experts' plan.
+        groups: the grouping (``Groups``).
+        state: key and probe tensors (``nn.probe``).
+        mode: what the probe records.
+
+    Returns:
+        fp32: forward (R, N), dgrad (R, K) (rows of no expert are 0), wgrad (E, N, K).
+    """
+    op = GEMM_OPERANDS[gemm]
+    ra, rb = ROLES[op.a], ROLES[op.b]
+    a = _operand(op.a, tensors[ra.operand], plan.specs[op.a], groups, state, mode)
+    b = _operand(op.b, tensors[rb.operand], plan.specs[op.b], groups, state, mode)
+    a = _grouped_view(a, ra.operand, op.a_t, groups)
+    b = _grouped_view(b, rb.operand, op.b_t, groups)
+    y = grouped_mm(a, b, groups.offs)
+    probe.record_output(state, mode, GEMMS.index(gemm), y)
+    return y
+
+
+class GroupedQuantMatmul(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ w[e]^T`` for every expert e, three GEMMs cast by one plan."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, key, stats, flags, plan: LinearPlan, mode: ProbeMode):
+        # x (R, K), w (E, N, K), offs (E,) int32; saved in high precision and cast again in backward.
+        ctx.save_for_backward(x, w, offs)
+        ctx.plan, ctx.mode, ctx.state = plan, mode, LayerState(key, stats, flags)
+        groups = Groups(offs, x.shape[0], w.shape)
+        tensors = {"input": x, "weight": w.reshape(-1, w.shape[-1])}
+        return run_grouped_gemm("forward", tensors, plan, groups, ctx.state, mode).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        groups = Groups(offs, x.shape[0], w.shape)
+        tensors = {"input": x, "weight": w.reshape(-1, w.shape[-1]), "grad_output": dy}  # dy (R, N)
+        args = (tensors, ctx.plan, groups, ctx.state, ctx.mode)
+        dx = run_grouped_gemm("dgrad", *args).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = run_grouped_gemm("wgrad", *args).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None, None, None
+
+
+def grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: LinearPlan, state: LayerState = _NO_STATE
+) -> torch.Tensor:
+    """The experts' linear maps with the plan's casts on all three GEMMs.
+
+    Args:
+        x: (R, K) expert-sorted tokens (each expert's rows padded to ``pad_multiple(plan)`` when needed).
+        w: (E, N, K) stacked weights.
+        offs: (E,) int32 cumulative row counts.
+        plan: the experts' plan (the same for every expert); high-precision roles run in fp32.
+        state: the key and probe tensors (``nn.probe``).
+
+    Returns:
+        (R, N) in x's dtype; rows past ``offs[-1]`` are 0.
+
+    Raises:
+        ValueError: an operand does not fit its spec (e.g. a block size that does not divide a dim).
+    """
+    return GroupedQuantMatmul.apply(x, w, offs, *state, plan, probe.mode())
+
+
+class GroupedQuantState(nn.Module):
+    """The plan and the key / probe buffers of one stacked expert weight (no parameters).
+
+    It mirrors ``QuantLinear``'s state (``STATE_BUFFERS``: non-persistent, never checkpointed), so the
+    numerics monitor can read an expert weight as it reads a linear layer.
+    """
+
+    def __init__(self, plan: LinearPlan, name: str = "", device=None):
+        super().__init__()
+        self.plan = plan
+        self.init_state_buffers(device, name)
+
+    def init_state_buffers(self, device=None, name: str = "") -> None:
+        """(Re)create the key and probe buffers on ``device``; the key derives from ``name``."""
+        key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
+        self.register_buffer("lbt_key", key, persistent=False)
+        self.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
+        self.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
+
+    def set_name(self, name: str) -> None:
+        """Key this weight's random streams by its FQN."""
+        self.lbt_key.fill_(rng.layer_key(name))
+
+    @property
+    def state(self) -> LayerState:
+        return LayerState(self.lbt_key, self.lbt_stats, self.lbt_flags)
+
+    def extra_repr(self) -> str:
+        return f"quantized_roles={sum(s is not None for s in self.plan.specs)}/6"
