@@ -2,7 +2,7 @@
 
 Resolution, in order: the recipe sets every role of every layer; each ``[[quantize.rules]]`` entry then
 changes the roles it names in the layers it selects; ``skip`` puts whole layers back in high precision; the
-backend is chosen per GEMM. Every mistake is a one-line ``ConfigError`` raised here, before the model is built.
+backend is chosen per GEMM from the plan and the hardware (``config.backends``). Every mistake is a one-line ``ConfigError`` raised here, before the model is built.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
+from low_bits_training.config.comm import CommConfig
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec, check_divisible
-from low_bits_training.nn import GEMM_OPERANDS, GEMMS, ROLE_NAMES, ROLES, LinearPlan, device_has_fp8_gemm
-from low_bits_training.nn import unsupported_reason as kernel_unsupported
+from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan
 
+from .backends import Hardware, TorchaoOptions, check_backend_setting, check_torchao_options, layer_backends
+from .operand_options import check_layer_options
 from .recipes import RECIPES
 
-BACKENDS = ("emulate", "real", "auto")
 HIGH = "high"
 _SPEC_FIELDS = (
     "scaling",
@@ -30,6 +31,14 @@ _SPEC_FIELDS = (
     "saturate",
     "margin",
     "tensor_scale",
+    "scale_min",
+    "inf_amax",
+    "four_over_six",
+    "amax_history",
+    "amax_compute",
+    "rht",
+    "rht_seed",
+    "source",
 )
 
 
@@ -66,6 +75,45 @@ class QuantRule:
     """QuantSpec.margin (power-of-two headroom)."""
     tensor_scale: bool | None = None
     """QuantSpec.tensor_scale (two-level scaling, NVFP4)."""
+    scale_min: str | None = None
+    """QuantSpec.scale_min: subnormal | normal (smallest scale kept; "normal" is torchao's NVFP4 floor)."""
+    inf_amax: str | None = None
+    """QuantSpec.inf_amax: keep | nan (a group with an infinite amax; "nan" is torchao's fp8 behaviour)."""
+    four_over_six: str | None = None
+    """QuantSpec.four_over_six: off | mse | mae (NVFP4 4over6 adaptive block scaling; e2m1 blocks/tiles)."""
+    amax_history: int | None = None
+    """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
+    amax_compute: str | None = None
+    """QuantSpec.amax_compute: max | most_recent (delayed scaling: the amax taken from the history)."""
+    rht: int | None = None
+    """QuantSpec.rht: 0 or the size of a random Hadamard transform along the GEMM's contraction dim (set it on
+    both operands of a GEMM, e.g. roles = ["wgrad.*"])."""
+    rht_seed: int | None = None
+    """QuantSpec.rht_seed: seed of the RHT's sign vector."""
+    source: str | None = None
+    """QuantSpec.source: high | forward (dgrad.weight / wgrad.input cast from the forward GEMM's cast)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanChange:
+    """``[quantize.eval]`` and the body of each ``[[quantize.phases]]`` entry: the ``[quantize]`` plan with
+    the keys given here replaced; a key left out keeps the base's (config/schedule.py resolves it)."""
+
+    recipe: str | None = None
+    """The recipe of this plan (unset: ``[quantize] recipe``)."""
+    rules: list[QuantRule] | None = None
+    """Rules replacing ``[[quantize.rules]]`` in this plan (unset: the base's rules)."""
+    skip: list[str] | None = None
+    """Layers kept in high precision, replacing ``[quantize] skip`` in this plan (unset: the base's)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Phase(PlanChange):
+    """``[[quantize.phases]]``: from ``start`` on, training uses this plan (until the next phase)."""
+
+    start: int | float = -1
+    """Where the phase begins: an int counts the steps before it (900: from step 901 on), a float in [0, 1)
+    is a fraction of ``training.steps`` (0.9 of 1000 steps: from step 901 on)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,14 +123,25 @@ class QuantizeConfig:
     recipe: str = "bf16"
     """Named recipe for every layer: bf16 (no quantization), fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad,
     deepseek_fp8, mxfp8, mxfp6, mxfp4, nvfp4, int8 (see docs/precision_plan.md)."""
-    backend: str = "emulate"
-    """emulate (fake-quantize + fp32 matmul, any device), real (hardware kernels; an error where there are
-    none), auto (real where the hardware has a kernel for a GEMM, else emulate; logged)."""
+    backend: str = "auto"
+    """auto (torchao's module with its hardware kernel for every layer whose plan torchao has and whose
+    device has the kernel, our emulation for the rest), torchao (torchao's module for every layer whose plan
+    it has: its kernel where the device has one, else torchao's emulated mode), emulate (our fake-quantize +
+    fp32 matmul everywhere). See docs/precision_plan.md."""
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
     """FQN globs of layers kept entirely in high precision (applied after the rules). Default: the output
     projection, as torchao and Transformer Engine do."""
     rules: list[QuantRule] = field(default_factory=list)
     """Overrides applied after the recipe, in order."""
+    torchao: TorchaoOptions = field(default_factory=TorchaoOptions)
+    """torchao's own options for the layers the torchao backend runs (fp8 all-gather, cast kernels, ...)."""
+    phases: list[Phase] = field(default_factory=list)
+    """Precision schedule: plans that take over from a step on, in order (config/schedule.py)."""
+    eval: PlanChange = field(default_factory=PlanChange)
+    """``[quantize.eval]``: the plan of evaluation (torchtitan's validator); empty: the training plan of the
+    step it runs after."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """``[quantize.comm]``: low-bit FSDP2 weight all-gather and gradient reduce-scatter (config/comm.py)."""
 
 
 @dataclass(frozen=True)
@@ -101,20 +160,43 @@ def _block_ids(fqns: list[str]) -> list[int]:
     return sorted({int(m.group(1)) for f in fqns if (m := re.match(r"layers\.(\d+)\.", f))})
 
 
-def select_layers(rule: QuantRule, fqns: list[str], where: str) -> list[str]:
-    """The FQNs a rule selects.
+def check_glob(
+    glob: str, fqns: list[str], converted: dict[str, str], where: str, may_be_converted: bool
+) -> None:
+    """A layer glob must match a layer the plan covers (or, for ``skip``, one a torchtitan converter swapped).
 
     Raises:
-        ConfigError: a glob or first_n/last_n that selects nothing.
+        ConfigError: it matches no linear layer, or (``may_be_converted`` False) only converted ones.
+    """
+    if fnmatch.filter(fqns, glob):
+        return
+    hits = fnmatch.filter(list(converted), glob)
+    if hits and not may_be_converted:
+        kinds = ", ".join(sorted({converted[h] for h in hits}))
+        raise ConfigError(
+            f"{where}: {glob!r} matches only layers the base's torchtitan converter already swapped ({kinds}: "
+            f"{', '.join(hits[:4])}{' ...' if len(hits) > 4 else ''}); [quantize] cannot change them"
+        )
+    if not hits:
+        names = ", ".join([*fqns, *converted])
+        raise ConfigError(f"{where}: {glob!r} matches no linear layer; layers are {names}")
+
+
+def select_layers(
+    rule: QuantRule, fqns: list[str], where: str, converted: dict[str, str] | None = None
+) -> list[str]:
+    """The FQNs (among ``fqns``, the layers the plan covers) a rule selects.
+
+    Raises:
+        ConfigError: a glob or first_n/last_n that selects nothing (see ``check_glob``).
     """
     ids = _block_ids(fqns)
     if rule.first_n < 0 or rule.last_n < 0 or max(rule.first_n, rule.last_n) > len(ids):
         raise ConfigError(f"{where}.first_n/last_n = {rule.first_n}/{rule.last_n}: expected 0..{len(ids)}")
     blocks = set(ids[: rule.first_n]) | (set(ids[-rule.last_n :]) if rule.last_n else set())
     globs = rule.layers or ([] if blocks else ["*"])
-    for g in globs:
-        if not fnmatch.filter(fqns, g):
-            raise ConfigError(f"{where}.layers: {g!r} matches no linear layer; layers are {', '.join(fqns)}")
+    for g in rule.layers:
+        check_glob(g, fqns, converted or {}, f"{where}.layers", may_be_converted=False)
     in_block = {f for f in fqns if (m := re.match(r"layers\.(\d+)\.", f)) and int(m.group(1)) in blocks}
     return [f for f in fqns if f in in_block or any(fnmatch.fnmatchcase(f, g) for g in globs)]
 
@@ -146,7 +228,9 @@ def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSp
         raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
 
 
-def _apply_rules(cfg: QuantizeConfig, fqns: list[str]) -> dict[str, dict[str, QuantSpec | None]]:
+def _apply_rules(
+    cfg: QuantizeConfig, fqns: list[str], converted: dict[str, str], where: str = "quantize"
+) -> dict[str, dict[str, QuantSpec | None]]:
     try:
         from .recipes import recipe_specs
 
@@ -155,44 +239,21 @@ def _apply_rules(cfg: QuantizeConfig, fqns: list[str]) -> dict[str, dict[str, Qu
         raise ConfigError(e.args[0]) from None
     table = {f: dict(base) for f in fqns}
     for i, rule in enumerate(cfg.rules):
-        where = f"quantize.rules[{i}]"
-        roles = select_roles(rule.roles, where)
-        for f in select_layers(rule, fqns, where):
+        at = f"{where}.rules[{i}]"
+        roles = select_roles(rule.roles, at)
+        for f in select_layers(rule, fqns, at, converted):
             for r in roles:
-                table[f][r] = rule_spec(rule, table[f][r], where)
+                table[f][r] = rule_spec(rule, table[f][r], at)
     for g in cfg.skip:
-        if not fnmatch.filter(fqns, g):
-            raise ConfigError(f"quantize.skip: {g!r} matches no linear layer; layers are {', '.join(fqns)}")
+        # A skip glob may name layers the base's converter swapped (the default "lm_head" often does): they
+        # keep the converter's numerics, and the plan table says so.
+        check_glob(g, fqns, converted, f"{where}.skip", may_be_converted=True)
         for f in fnmatch.filter(fqns, g):
             table[f] = dict.fromkeys(ROLE_NAMES)
     return table
 
 
-def choose_backends(specs: tuple, backend: str, fqn: str, device: str) -> tuple[str, ...]:
-    """Backend per GEMM for one layer (see ``QuantizeConfig.backend``).
-
-    Raises:
-        ConfigError: backend "real" for a GEMM no real kernel can run.
-    """
-    out = []
-    for gemm in GEMMS:
-        op = GEMM_OPERANDS[gemm]
-        sa, sb = specs[op.a], specs[op.b]
-        reason = kernel_unsupported(sa, sb) if sa is not None or sb is not None else "high precision"
-        if backend == "real" and sa is None and sb is None:
-            out.append("emulate")  # nothing to quantize: a plain matmul
-        elif backend == "real" and reason:
-            raise ConfigError(
-                f"quantize.backend = 'real': {fqn} {gemm} GEMM has no real kernel ({reason}); "
-                "allowed: 'emulate', 'auto'"
-            )
-        else:
-            real = backend == "real" or (backend == "auto" and not reason and device_has_fp8_gemm(device))
-            out.append("real" if real else "emulate")
-    return tuple(out)
-
-
-def _check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape) -> None:
+def _check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape, where: str = "quantize") -> None:
     m, n, k = shape.tokens_multiple, shape.out_features, shape.in_features
     dims = {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}
     for role, spec in zip(ROLES, plan.specs, strict=True):
@@ -204,35 +265,56 @@ def _check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape) -> None:
             try:
                 check_divisible(s, spec)
             except ValueError as e:
-                raise ConfigError(f"quantize: {fqn} {role.name} {s} ({spec}): {e}") from None
+                raise ConfigError(f"{where}: {fqn} {role.name} {s} ({spec}): {e}") from None
 
 
 def resolve_plan(
-    cfg: QuantizeConfig, layers: dict[str, LayerShape], device: str = "cpu"
+    cfg: QuantizeConfig,
+    layers: dict[str, LayerShape],
+    hw: Hardware | None = None,
+    converted: dict[str, str] | None = None,
+    where: str = "quantize",
 ) -> dict[str, LinearPlan]:
-    """The full plan: one ``LinearPlan`` per linear layer FQN.
+    """The full plan: one ``LinearPlan`` per linear layer FQN, numerics and backend per GEMM.
 
     Args:
         cfg: the ``[quantize]`` section.
-        layers: FQN -> shape of every linear layer the model will build.
-        device: where it will run ("cpu", "cuda"), for backend "auto".
+        layers: FQN -> shape of every linear layer the plan covers.
+        hw: the hardware it will run on (backend choice, see ``config.backends``); default: a CPU.
+        converted: FQN -> module name of layers the base's own torchtitan converters already swapped (not
+            covered: ``skip`` may name them, rules may not).
+        where: the TOML key errors name for ``cfg`` (a schedule's phase: ``quantize.phases[0]``).
 
     Returns:
-        FQN -> LinearPlan (every layer, high-precision ones included).
+        FQN -> LinearPlan for every covered layer (high-precision ones included).
 
     Raises:
-        ConfigError: unknown recipe/backend/format/role, a glob that matches nothing, "real" without a
-            kernel, or a block size that does not divide a dimension.
+        ConfigError: unknown recipe/backend/format/role, a glob that matches nothing (or a rule that
+            selects only converted layers), torchao options that cannot hold, or a block size that does not
+            divide a dimension.
     """
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(f"quantize.backend = {cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
-    table = _apply_rules(cfg, list(layers))
+    hw = hw or Hardware()
+    check_backend_setting(cfg.backend, hw)
+    table = _apply_rules(cfg, list(layers), converted or {}, where)
     plans = {}
     for fqn, by_role in table.items():
-        specs = tuple(by_role[r] for r in ROLE_NAMES)
-        plans[fqn] = LinearPlan(specs, choose_backends(specs, cfg.backend, fqn, device))
-        _check_shapes(plans[fqn], fqn, layers[fqn])
+        specs, shape = tuple(by_role[r] for r in ROLE_NAMES), layers[fqn]
+        check_layer_options(fqn, specs, shape, where)  # RHT / source / delayed (config/operand_options.py)
+        backends = layer_backends(
+            LinearPlan(specs), cfg.backend, hw, shape.in_features, shape.out_features, shape.tp
+        )
+        plans[fqn] = LinearPlan(specs, backends)
+        _check_shapes(plans[fqn], fqn, shape, where)
+    check_torchao_options(cfg.torchao, plans)
     return plans
 
 
-__all__ = ["RECIPES", "LayerShape", "QuantRule", "QuantizeConfig", "resolve_plan"]
+__all__ = [
+    "RECIPES",
+    "Hardware",
+    "LayerShape",
+    "QuantRule",
+    "QuantizeConfig",
+    "TorchaoOptions",
+    "resolve_plan",
+]

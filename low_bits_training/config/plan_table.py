@@ -1,7 +1,8 @@
 """The resolved precision plan as text (start-up log, ``precision_plan.txt``) and as JSON data.
 
-Layers whose names differ only in the transformer block index and whose plans are identical collapse to one
-row group: ``layers.[0-5].attention.wqkv``.
+Layers whose names differ only in the transformer block index and whose plans (and modules) are identical
+collapse to one row group: ``layers.[0-5].attention.wqkv``. The backend column is ``config.backends.gemm_backend``:
+the same answer lbt-doctor and the benchmarks give.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import re
 from collections import defaultdict
 
 from low_bits_training.nn import GEMMS, ROLES, LinearPlan
+
+from .backends import gemm_backend
 
 _BLOCK = re.compile(r"^layers\.(\d+)\.")
 
@@ -25,55 +28,64 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(out)
 
 
-def collapse(plans: dict[str, LinearPlan]) -> list[tuple[str, LinearPlan]]:
-    """``(label, plan)`` rows, one per group of layers that differ only in block index, in model order."""
-    groups: dict[tuple[str, LinearPlan], list[int]] = defaultdict(list)
-    order: list[tuple[str, LinearPlan]] = []
+def collapse(plans: dict[str, LinearPlan], modules: dict[str, str] | None = None) -> list[tuple[str, tuple]]:
+    """``(label, (plan, module))`` rows, one per group of layers that differ only in block index, in model
+    order (``module`` is "" without ``modules``)."""
+    modules = modules or {}
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    order: list[tuple] = []
     for fqn, plan in plans.items():
         m = _BLOCK.match(fqn)
-        key = (_BLOCK.sub("layers.{}.", fqn) if m else fqn, plan)
+        key = (_BLOCK.sub("layers.{}.", fqn) if m else fqn, (plan, modules.get(fqn, "")))
         if key not in groups:
             order.append(key)
         groups[key].append(int(m.group(1)) if m else -1)
-    return [(name.replace("{}", f"[{_ranges(groups[(name, p)])}]"), p) for name, p in order]
+    return [(name.replace("{}", f"[{_ranges(groups[(name, k)])}]"), k) for name, k in order]
 
 
-def _by_plan(plans: dict[str, LinearPlan]) -> list[tuple[list[str], LinearPlan]]:
-    out: dict[LinearPlan, list[str]] = {}
-    for label, plan in collapse(plans):
-        out.setdefault(plan, []).append(label)
-    return [(labels, plan) for plan, labels in out.items()]
+def _cells(plan: LinearPlan) -> list[tuple[str, str, str]]:
+    if all(b == "torchtitan" for b in plan.backends):
+        return [("*", "the base's torchtitan converter", "torchtitan")]
+    if plan.is_high_precision:
+        return [("*", "high", "high")]
+    return [
+        (r.name, "high" if s is None else s.short(), gemm_backend(plan, r.gemm))
+        for r, s in zip(ROLES, plan.specs, strict=True)
+    ]
 
 
-def format_plan(plans: dict[str, LinearPlan]) -> str:
-    """Aligned text table: layers (grouped by identical plans), role, spec (or ``high``), GEMM backend."""
-    rows = [("layers", "role", "spec", "backend")]
-    for labels, plan in _by_plan(plans):
-        cells = (
-            [("*", "high", "-")]
-            if plan.is_high_precision
-            else [
-                (r.name, "high" if s is None else s.short(), plan.backend(r.gemm))
-                for r, s in zip(ROLES, plan.specs, strict=True)
-            ]
-        )
+def format_plan(plans: dict[str, LinearPlan], modules: dict[str, str] | None = None) -> str:
+    """Aligned text table: layers (grouped by identical plans), module, role, spec (or ``high``), backend.
+
+    Args:
+        plans: FQN -> resolved plan (``titan.quantize.current_plans``).
+        modules: FQN -> what the layer builds (``QuantLinear``, ``torchao Float8Linear (rowwise)``, ...).
+    """
+    rows = [("layers", "module", "role", "spec", "backend")]
+    by_key: dict[tuple, list[str]] = {}
+    for label, key in collapse(plans, modules):
+        by_key.setdefault(key, []).append(label)
+    for (plan, module), labels in by_key.items():
+        cells = _cells(plan)
         for i in range(max(len(labels), len(cells))):
-            rows.append((labels[i] if i < len(labels) else "", *(cells[i] if i < len(cells) else ("",) * 3)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+            layer = labels[i] if i < len(labels) else ""
+            rows.append((layer, module if i == 0 else "", *(cells[i] if i < len(cells) else ("",) * 3)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + "\n"
 
 
-def plan_to_json(plans: dict[str, LinearPlan]) -> dict:
-    """FQN -> {"specs": {role: QuantSpec fields or None}, "backends": {gemm: backend}} (plain data)."""
+def plan_to_json(plans: dict[str, LinearPlan], modules: dict[str, str] | None = None) -> dict:
+    """FQN -> {"module", "specs": {role: QuantSpec fields or None}, "backends": {gemm: gemm_backend}}."""
     return {
         fqn: {
+            "module": (modules or {}).get(fqn, ""),
             "specs": {
                 r.name: (None if s is None else dataclasses.asdict(s))
                 for r, s in zip(ROLES, p.specs, strict=True)
             },
-            "backends": dict(zip(GEMMS, p.backends, strict=True)),
+            "backends": {g: gemm_backend(p, g) for g in GEMMS},
         }
         for fqn, p in plans.items()
     }

@@ -18,7 +18,8 @@ class ConfigError(ValueError):
     """A configuration value or key that cannot be used; the message is one line for the user."""
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
+    """``{field name: annotation}`` of a dataclass, ``Annotated`` metadata kept (named choices, bounds)."""
     try:
         return typing.get_type_hints(cls, include_extras=True)  # keep Annotated: named choices
     except Exception:  # unresolvable forward references: fall back to the raw annotations
@@ -123,7 +124,7 @@ def apply_dict(obj: Any, data: dict[str, Any], where: str = "") -> None:
     Raises:
         ConfigError: an unknown key, a missing required key, or a value of the wrong type.
     """
-    hints = _hints(type(obj))
+    hints = field_types(type(obj))
     allowed = public_fields(obj)
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
@@ -133,6 +134,10 @@ def apply_dict(obj: Any, data: dict[str, Any], where: str = "") -> None:
                 f"unknown key '{path}' in {section}; allowed keys: {', '.join(sorted(allowed))}"
             )
         setattr(obj, key, _value_for(getattr(obj, key), value, hints.get(key, Any), path))
+    from low_bits_training.config.section import Section  # section.py builds on this module
+
+    if data and isinstance(obj, Section):
+        obj.check()  # its own rules (bounds, patterns): setattr does not run __post_init__
 
 
 def _value_for(current: Any, value: Any, tp: Any, path: str) -> Any:
@@ -156,7 +161,7 @@ def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
     Raises:
         ConfigError: unknown or missing keys, wrong types, or a value the class itself refuses.
     """
-    hints = _hints(cls)
+    hints = field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -171,6 +176,8 @@ def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
         raise ConfigError(f"{path}: missing required key '{missing[0]}' ({cls.__qualname__})")
     try:
         return cls(**kwargs)
+    except ConfigError:
+        raise  # a Section's check already names the key
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
 
@@ -236,7 +243,7 @@ def diff(new: Any, old: Any, skip: frozenset[str] = frozenset()) -> dict[str, An
         ``"__untomlable__"`` of their section, so callers can say what a file cannot reproduce.
     """
     out: dict[str, Any] = {}
-    hints = _hints(type(new))
+    hints = field_types(type(new))
     for name in public_fields(new):
         if name in skip:
             continue

@@ -2,7 +2,7 @@
 
 import pytest
 
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
+from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, TorchaoOptions, resolve_plan
 from low_bits_training.config.plan_table import format_plan, plan_to_json
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.config.tree import ConfigError, build_dataclass
@@ -50,7 +50,7 @@ def test_rules_apply_in_order_with_first_last_n():
     ("cfg", "message"),
     [
         (QuantizeConfig(recipe="fp9"), "quantize.recipe = 'fp9': expected one of bf16, fp8_tensorwise"),
-        (QuantizeConfig(backend="gpu"), "quantize.backend = 'gpu': expected one of emulate, real, auto"),
+        (QuantizeConfig(backend="gpu"), "quantize.backend = 'gpu': expected one of emulate, torchao, auto"),
         (QuantizeConfig(rules=[QuantRule(format="e9m9")]), "quantize.rules[0]: unknown format 'e9m9'"),
         (
             QuantizeConfig(rules=[QuantRule(layers=["layers.*.attn.*"])]),
@@ -72,7 +72,11 @@ def test_rules_apply_in_order_with_first_last_n():
         (QuantizeConfig(recipe="mxfp8", rules=[QuantRule(block_size=48)]), "block_size=48 does not divide"),
         (
             QuantizeConfig(recipe="mxfp8", backend="real"),
-            "quantize.backend = 'real': layers.0.attention.wqkv forward",
+            "quantize.backend = 'real': expected one of emulate, torchao, auto (the hand-written _scaled_mm",
+        ),
+        (
+            QuantizeConfig(torchao=TorchaoOptions(precompute_float8_dynamic_scale_for_fsdp=True)),
+            "quantize.torchao.precompute_float8_dynamic_scale_for_fsdp = true needs",
         ),
     ],
 )
@@ -88,13 +92,6 @@ def test_block_must_fit_tp_shards_and_tokens():
         resolve_plan(QuantizeConfig(recipe="mxfp8", skip=[], rules=[QuantRule(block_size=64)]), layers)
     with pytest.raises(ConfigError, match=r"wgrad.grad_output \(100, 256\)"):
         resolve_plan(QuantizeConfig(recipe="mxfp8", skip=[]), {"layers.0.w": LayerShape(256, 256, 100)})
-
-
-def test_backends_real_and_auto():
-    plans = resolve_plan(QuantizeConfig(recipe="fp8_rowwise_hp_wgrad", backend="real"), LAYERS)
-    assert plans["layers.0.feed_forward.w1"].backends == ("real", "real", "emulate")
-    auto = resolve_plan(QuantizeConfig(recipe="fp8_rowwise", backend="auto"), LAYERS)
-    assert auto["layers.0.feed_forward.w1"].backends == ("emulate",) * 3  # CPU: no hardware fp8 GEMM
 
 
 def test_toml_shape_builds_through_the_tree_layer():

@@ -1,0 +1,181 @@
+"""Which backend runs each GEMM of each linear layer, on which hardware: the one answer every tool asks.
+
+The resolved plan stores a backend per GEMM (``LinearPlan.backends``); ``gemm_backend`` reads it, and the plan
+table, ``lbt-doctor``, the benchmarks and the docs all ask that function. Values:
+
+- ``high``: neither operand is quantized: a plain matmul (``nn.Linear``, or a high-precision GEMM of a layer).
+- ``emulate``: our fake-quantize + fp32 matmul (``QuantLinear``), any device, any format.
+- ``real``: our cast + ``torch._scaled_mm`` (``QuantLinear``): a Python-only reference, not offered in TOML.
+- ``torchao``: torchao's module with its hardware kernel (``Float8Linear`` SM89+, ``MXFP8Linear`` SM100+).
+- ``torchao_emulated``: torchao's module in its own emulated mode (CPU, or a GPU without the kernel).
+- ``torchtitan``: a layer the base's own torchtitan converter already swapped (its numerics are torchtitan's).
+
+Which layers torchao can take follows from the plan alone (``nn.torchao_modules.torchao_recipe``): a layer goes to
+torchao only when torchao's module computes the same numerics as the layer's plan.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Literal
+
+from low_bits_training.config.tree import ConfigError
+from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
+from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_recipe
+
+BACKEND_SETTINGS = ("emulate", "torchao", "auto")
+"""``[quantize] backend``: emulate (ours everywhere), torchao (torchao's module for every layer whose plan it
+has: its kernel where the device has one, else its emulated mode), auto (torchao where the device has the
+kernel, ours elsewhere)."""
+GemmBackend = Literal["high", "emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
+TORCHAO_BACKENDS = ("torchao", "torchao_emulated")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a device offers the backend choice: detected (``detect_hardware``) or named (doctor, tests)."""
+
+    kind: Literal["cpu", "cuda"] = "cpu"
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability (9, 0) for H100, (10, 0) for B200; None on CPU."""
+    torchao: bool = True
+    """torchao is importable (training also needs torchtitan, which the launcher always has)."""
+
+    def has(self, need: tuple[int, int]) -> bool:
+        """True on a CUDA device of at least compute capability ``need``."""
+        return self.kind == "cuda" and self.capability is not None and self.capability >= need
+
+    def __str__(self) -> str:
+        return "CPU" if self.capability is None else f"CUDA SM{self.capability[0]}{self.capability[1]}"
+
+
+def detect_hardware() -> Hardware:
+    """The hardware this process runs on (the first CUDA device, or the CPU)."""
+    import torch
+
+    have_ao = importlib.util.find_spec("torchao") is not None
+    if not torch.cuda.is_available():
+        return Hardware("cpu", None, have_ao)
+    return Hardware("cuda", tuple(torch.cuda.get_device_capability(0)), have_ao)
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchaoOptions:
+    """``[quantize.torchao]``: torchao's own switches for the layers the torchao backend runs."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """Float8Linear: FSDP2 all-gathers the weight in fp8 (half the bytes of bf16). Needs tensorwise weight
+    scaling in every Float8 layer (fp8_tensorwise) and data_parallel_shard_degree > 1 to matter."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With fp8 all-gather: compute every weight's scale in one all-reduce after each optimizer step instead
+    of one per layer in forward (torchao's ``precompute_float8_dynamic_scale_for_fsdp``)."""
+    float8_fast_accum_forward: bool = True
+    """Float8Linear: the forward GEMM accumulates with cuBLAS fast accumulation (torchao's default; the
+    backward GEMMs never do). No effect in torchao's emulated mode."""
+    pad_inner_dim: bool = False
+    """Float8Linear: pad the GEMM's inner dim to a multiple of 16 (torchao ``pad_inner_dim``)."""
+    mxfp8_dim0_cast_kernel: Literal["triton", "torch"] = "triton"
+    """MXFP8Linear: kernel for MX casts along dim 0 (torchao ``MXFP8Dim0CastKernelChoice``)."""
+    mxfp8_dim1_cast_kernel: Literal["cuda", "triton", "torch", "cutedsl"] = "cuda"
+    """MXFP8Linear: kernel for MX casts along dim 1 (torchao ``MXFP8Dim1CastKernelChoice``)."""
+
+
+def torchao_kernel_refusal(recipe: TorchaoRecipe, hw: Hardware) -> str | None:
+    """Why torchao's hardware kernel for ``recipe`` cannot run on ``hw`` (None: it can)."""
+    if not hw.torchao:
+        return "torchao is not installed"
+    need = recipe.min_capability
+    if not hw.has(need):
+        return f"{recipe.module} kernels need CUDA SM{need[0]}{need[1]}+, this is {hw}"
+    return None
+
+
+def torchao_shape_refusal(recipe: TorchaoRecipe, in_features: int, out_features: int, tp: int) -> str | None:
+    """Why torchao's module cannot take a layer of this shape at all, kernel or emulated (None: it can)."""
+    m = recipe.dim_multiple
+    if in_features % (m * tp) or out_features % (m * tp):
+        return (
+            f"{recipe.module} needs features divisible by {m} per TP shard, got {in_features}x{out_features}"
+        )
+    if tp > 1:
+        return "torchao modules are not wired for tensor parallelism here (emulation is)"
+    return None
+
+
+def layer_backends(
+    plan: LinearPlan, setting: str, hw: Hardware, in_features: int, out_features: int, tp: int = 1
+) -> tuple[str, ...]:
+    """The backend of each GEMM (``GEMMS`` order) of a layer under ``[quantize] backend = setting``.
+
+    Returns:
+        ("emulate",)*3 for ours, ("torchao",)*3 or ("torchao_emulated",)*3 for torchao's module.
+    """
+    recipe = torchao_recipe(plan) if setting != "emulate" else None
+    if recipe is None or torchao_shape_refusal(recipe, in_features, out_features, tp):
+        return ("emulate",) * len(GEMMS)
+    kernel_missing = torchao_kernel_refusal(recipe, hw)
+    if kernel_missing is None:
+        return ("torchao",) * len(GEMMS)
+    if setting == "torchao" and hw.torchao:
+        return ("torchao_emulated",) * len(GEMMS)
+    return ("emulate",) * len(GEMMS)
+
+
+def gemm_backend(plan: LinearPlan, gemm: str) -> GemmBackend:
+    """Which backend runs ``gemm`` ("forward" | "dgrad" | "wgrad") of a layer with this resolved plan.
+
+    The one answer the plan table, lbt-doctor and the benchmarks give (see the module doc for the values).
+    """
+    backend = plan.backend(gemm)
+    if backend in (*TORCHAO_BACKENDS, "torchtitan"):
+        return backend
+    op = GEMM_OPERANDS[gemm]
+    if plan.specs[op.a] is None and plan.specs[op.b] is None:
+        return "high"
+    return backend
+
+
+def check_backend_setting(backend: str, hw: Hardware) -> None:
+    """``[quantize] backend`` is one of ``BACKEND_SETTINGS`` and can run here.
+
+    Raises:
+        ConfigError: an unknown value (``real`` with a pointer to its replacement), or ``torchao`` without
+            torchao installed.
+    """
+    if backend not in BACKEND_SETTINGS:
+        why = " (the hand-written _scaled_mm backend is a Python-only reference now; real kernels come from torchao)"
+        raise ConfigError(
+            f"quantize.backend = {backend!r}: expected one of {', '.join(BACKEND_SETTINGS)}"
+            + (why if backend == "real" else "")
+        )
+    if backend == "torchao" and not hw.torchao:
+        raise ConfigError("quantize.backend = 'torchao': torchao is not installed; use 'emulate' or 'auto'")
+
+
+def check_torchao_options(opts: TorchaoOptions, plans: dict[str, LinearPlan]) -> None:
+    """``[quantize.torchao]`` against the resolved plans.
+
+    Raises:
+        ConfigError: precompute without fp8 all-gather, or fp8 all-gather with a torchao Float8 layer whose
+            weight is not tensorwise.
+    """
+    if opts.precompute_float8_dynamic_scale_for_fsdp and not opts.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "quantize.torchao.precompute_float8_dynamic_scale_for_fsdp = true needs "
+            "quantize.torchao.enable_fsdp_float8_all_gather = true"
+        )
+    if not opts.enable_fsdp_float8_all_gather:
+        return
+    for fqn, plan in plans.items():
+        recipe = torchao_recipe(plan) if plan.backends[0].startswith("torchao") else None
+        if (
+            recipe is not None
+            and recipe.module == "Float8Linear"
+            and recipe.float8_casts[1][1] != "tensorwise"
+        ):
+            raise ConfigError(
+                f"quantize.torchao.enable_fsdp_float8_all_gather = true: {fqn} scales its weight "
+                f"{recipe.float8_casts[1][1]} ({recipe.label}); torchao all-gathers fp8 weights only with "
+                "tensorwise scaling (recipe fp8_tensorwise)"
+            )
