@@ -19,6 +19,10 @@ CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
 if [[ -z "${NGPU:-}" ]]; then
   NGPU="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 1)')"
 fi
+if [[ ! "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "low-bits-training: config error: NGPU = '$NGPU': expected a positive integer (processes on this machine)" >&2
+  exit 2
+fi
 LOG_RANK="${LOG_RANK:-0}"
 
 # On CPU each rank gets an equal share of the cores (gloo; no oversubscription).
@@ -28,7 +32,10 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
 fi
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
 
-exec "$PYTHON" -m torch.distributed.run \
+# The launcher checks the whole config here, before any rank starts (bad input: one line, exit code 2, the
+# run folder untouched), then runs torchrun in the same process. Exit codes: 0 done, 2 config, 3 non-finite
+# stop ([numerics] nonfinite = "stop"), 4 checkpoint refused, 1 crash (README: "Exit codes").
+exec "$PYTHON" -m low_bits_training.titan.launcher \
   --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m low_bits_training.titan.launch --config-file "$CONFIG_FILE" "$@"
+  -- --config-file "$CONFIG_FILE" "$@"

@@ -12,9 +12,12 @@
 #   RUN_NAME      names the output + checkpoint folder outputs/RUN_NAME; default: WANDB_RUN_NAME, then
 #                 WANDB_NAME, then <config>-<date>-<time>. The same name resumes that run's last checkpoint.
 #   OUTPUT_ROOT   where run folders live (default outputs)
-#   ENV_FILE      your own variables (default .env): sourced here and on the nodes, never printed. Secrets
-#                 in it (names with TOKEN, KEY, SECRET, PASSWORD) are kept out of the environment sbatch
-#                 records and are read from the file again on the nodes.
+#   ENV_FILE      your own variables (default .env): sourced here, never printed.
+#   Secrets: every variable whose name holds TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL, from .env
+#                 or exported in your shell (WANDB_API_KEY, HF_TOKEN, ...), is kept out of the environment
+#                 sbatch records: it goes to LBT_SECRETS_DIR/RUN_NAME.env (default
+#                 ~/.cache/low-bits-training/secrets, mode 600, kept for requeues; delete it when the run is
+#                 done) and only the job's nodes read it.
 #   SBATCH_*      any sbatch option slurm reads from the environment (SBATCH_PARTITION, SBATCH_TIMELIMIT,
 #                 SBATCH_ACCOUNT, ...); may be set in .env.
 #   SBATCH_SCRIPT batch script (default scripts/slurm/train.sbatch)   DRY_RUN=1 print the sbatch command only
@@ -23,11 +26,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
 
 ENV_FILE="${ENV_FILE:-.env}"
-secret_names=()
 if [[ -f "$ENV_FILE" ]]; then
-  # Names only: values never reach the terminal (no set -x, no echo).
-  mapfile -t secret_names < <(sed -nE 's/^[[:space:]]*(export[[:space:]]+)?([A-Za-z_][A-Za-z0-9_]*)=.*/\2/p' "$ENV_FILE" \
-    | grep -iE 'TOKEN|KEY|SECRET|PASSWORD|PASSWD' || true)
   set -a
   # shellcheck disable=SC1090
   source "$ENV_FILE"
@@ -65,10 +64,23 @@ fi
 source scripts/ensure_venv.sh
 
 # What the batch script needs; W&B names (and resumes) the run after the folder.
-export LBT_REPO="$here" LBT_RUN_NAME="$RUN_NAME" LBT_DUMP_FOLDER="$DUMP_FOLDER" LBT_ENV_FILE="$ENV_FILE"
+export LBT_REPO="$here" LBT_RUN_NAME="$RUN_NAME" LBT_DUMP_FOLDER="$DUMP_FOLDER"
 export CONFIG_FILE PYTHON
 export WANDB_RUN_NAME="${WANDB_RUN_NAME:-$RUN_NAME}" WANDB_RUN_ID="${WANDB_RUN_ID:-$RUN_NAME}"
 export WANDB_RESUME="${WANDB_RESUME:-allow}"
+
+# Secrets, wherever they were set (.env or the shell): names only here, values only into a file of mode 600
+# that the batch script reads on the nodes; then they leave this environment, which sbatch records.
+mapfile -t secret_names < <(compgen -e | grep -iE 'TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL' \
+  | grep -vE '^(SLURM|SBATCH|LBT)_' || true)
+export LBT_SECRETS_FILE=""
+if (( ${#secret_names[@]} )) && [[ "${DRY_RUN:-0}" != "1" ]]; then
+  secrets_dir="${LBT_SECRETS_DIR:-$HOME/.cache/low-bits-training/secrets}"
+  (umask 077 && mkdir -p "$secrets_dir")
+  LBT_SECRETS_FILE="$secrets_dir/$RUN_NAME.env"
+  (umask 077 && for name in "${secret_names[@]}"; do printf 'export %s=%q\n' "$name" "${!name}"; done \
+    > "$LBT_SECRETS_FILE")
+fi
 for name in "${secret_names[@]}"; do
   unset "$name"
 done

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ class Run:
 
     @property
     def rows(self) -> list[dict]:
-        from low_bits_training.titan.metrics import read_metrics
+        from low_bits_training.config.runfolder import read_metrics
 
         return read_metrics(self.folder)
 
@@ -56,20 +55,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_command(folder: Path, *args: str, nproc: int = 1, config: Path | None = None) -> list[str]:
-    """The torchrun command line of ``train`` (small debug shape, metrics every step, no TensorBoard)."""
-    return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-        "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0", "--role=rank", "--tee=3",
-        "-m", "low_bits_training.titan.launch", "--config-file", str(config or DEBUG_TOML),
-        "--dump_folder", str(folder), "--training.local_batch_size", "2", "--training.seq_len", "128",
-        "--metrics.log_freq", "1", "--metrics.no-enable-tensorboard", *args,
-    ]  # fmt: skip
+SMALL = (
+    "--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.log_freq", "1",
+    "--metrics.no-enable-tensorboard",
+)  # fmt: skip
+"""The small debug shape every test run uses unless it overrides it."""
 
 
-def train_env(nproc: int = 1, env: dict | None = None) -> dict:
-    threads = "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
-    return dict(os.environ, OMP_NUM_THREADS=threads, **(env or {}))
+def train_command(folder: Path, *args: str) -> list[str]:
+    """The command line of ``train``: ``run_llama_train.sh`` (the launcher, as users run it) with the small
+    shape; the process count and the config go through the environment (``train_env``)."""
+    from low_bits_training.cli.runner import train_command as command
+
+    return command(folder, [*SMALL, *args])
+
+
+def train_env(nproc: int = 1, env: dict | None = None, config: Path | None = None) -> dict:
+    """The environment of ``train_command``: CONFIG_FILE, NGPU, this interpreter, 1-2 threads per rank."""
+    from low_bits_training.cli.runner import train_env as environment
+
+    out = environment(str(config or DEBUG_TOML), nproc, dict(os.environ, **(env or {})))
+    out["OMP_NUM_THREADS"] = "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
+    return out
 
 
 def train(
@@ -81,14 +88,15 @@ def train(
     check: bool = True,
     env: dict | None = None,
 ) -> Run:
-    """Train with ``torchrun --nproc_per_node nproc`` into ``tmp_path/run`` (small debug shape by default).
+    """Train with ``run_llama_train.sh`` (NGPU = nproc) into ``tmp_path/run`` (small debug shape by default).
 
     Extra ``args`` are command-line overrides. The markov corpus is shared across tests (repo assets folder).
+    ``returncode`` is the launcher's: 2 config, 3 non-finite stop, 4 checkpoint, 1 crash.
     """
     folder = tmp_path / "run"
-    cmd = train_command(folder, *args, nproc=nproc, config=config)
+    cmd = train_command(folder, *args)
     p = subprocess.run(
-        cmd, cwd=REPO, env=train_env(nproc, env), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=REPO, env=train_env(nproc, env, config), capture_output=True, text=True, timeout=timeout
     )
     run = Run(p.returncode, p.stdout + p.stderr, folder)
     if check and p.returncode != 0:

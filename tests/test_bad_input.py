@@ -1,18 +1,27 @@
-"""Property-based: random and malformed configuration is refused with one line (a ConfigError), never with
-another exception (a traceback), before anything is built."""
+"""Bad input is refused in one line, before anything is built or written.
 
+Property-based: random and malformed configuration through the launcher's whole check (``build_config`` then
+``validate.check_run``) is a ConfigError with a one-line message, never another exception (a traceback).
+Through ``./run_llama_train.sh``: each bad input of issue 15 ends with exactly one line on stderr, the
+documented exit code (2 config, 4 checkpoint) and the run folder byte-identical to before."""
+
+import hashlib
 import os
+import shutil
 import string
+import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import DEBUG_TOML
+from helpers import DEBUG_TOML, REPO, train, train_command, train_env, write_toml
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.titan.launch import build_config
+from low_bits_training.titan.validate import check_run
 
 BASE = tomllib.loads(DEBUG_TOML.read_text())
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -34,7 +43,7 @@ def _check(tmp_path, data: dict) -> None:
 
 def _refused_in_one_line_or_valid(argv: list[str]) -> None:
     try:
-        build_config(argv)
+        check_run(build_config(argv), world_size=1)
     except ConfigError as e:
         assert str(e) and "\n" not in str(e), repr(str(e))
     # any other exception propagates and fails the test: the user would see a traceback
@@ -112,3 +121,147 @@ def _write(tmp, data):
     path = tmp / "y.toml"
     path.write_text(tomli_w.dumps(data))
     return path
+
+
+# --- through the launcher, as a user runs it ----------------------------------------------------------------
+
+RUN = ("--training.steps", "2", "--checkpoint.interval", "2")
+
+
+@pytest.fixture(scope="module")
+def previous_run(tmp_path_factory):
+    """A finished run folder (resolved config, metrics, a checkpoint at step 2) that bad input must not touch."""
+    return train(tmp_path_factory.mktemp("prev"), *RUN).folder
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file and folder under ``folder`` with the sha256 of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _launch(
+    folder: Path, *args: str, config: Path | None = None, nproc: int = 1
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        train_command(folder, *args),
+        cwd=REPO,
+        env=train_env(nproc, config=config),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _refused(tmp_path, previous_run, *args, code=2, expect="", config=None, nproc=1, damage=None) -> str:
+    folder = tmp_path / "run"
+    shutil.copytree(previous_run, folder)
+    if damage is not None:
+        damage(folder)
+    before = snapshot(folder)
+    p = _launch(folder, *args, config=config, nproc=nproc)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == code, p.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("low-bits-training: "), p.stderr[-3000:]
+    assert expect in lines[0], lines[0]
+    assert "Traceback" not in p.stdout + p.stderr and p.stdout == ""
+    assert snapshot(folder) == before  # nothing written, nothing replaced: the folder still reruns its run
+    return lines[0]
+
+
+def _toml(tmp_path, **sections) -> Path:
+    return write_toml(tmp_path / "bad.toml", **sections)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ({"training": {"stepz": 4}}, "unknown key 'training.stepz' in [training]; allowed keys:"),
+        ({"training": {"steps": -3}}, "training.steps = -3: expected an int >= 1"),
+        ({"quantize": {"rules": [{"format": "e9m9"}]}}, "e9m9"),
+        ({"profiling": {"flop_table_step": -1}}, "profiling.flop_table_step = -1: expected an int >= 0"),
+    ],
+    ids=["key-typo", "negative-steps", "unknown-format", "profiling-range"],
+)
+def test_bad_toml_through_the_launcher(tmp_path, previous_run, case, expect):
+    _refused(tmp_path, previous_run, config=_toml(tmp_path, **case), expect=expect)
+
+
+@pytest.mark.slow
+def test_negative_learning_rate_is_refused(tmp_path, previous_run):
+    groups = tomllib.loads(DEBUG_TOML.read_text())["optimizer"]["param_groups"]
+    groups[0]["optimizer_kwargs"]["lr"] = -3e-3
+    _refused(
+        tmp_path,
+        previous_run,
+        config=_toml(tmp_path, optimizer={"param_groups": groups}),
+        expect="optimizer.param_groups[0].optimizer_kwargs.lr = -0.003: expected a number >= 0",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "content, expect",
+    [(b"\x00\x9f\xffPK\x03\x04binary", "not a text file"), (b"", "empty (no keys)")],
+    ids=["binary", "empty"],
+)
+def test_binary_and_empty_toml(tmp_path, previous_run, content, expect):
+    path = tmp_path / "x.toml"
+    path.write_bytes(content)
+    _refused(tmp_path, previous_run, config=path, expect=f"CONFIG_FILE = '{path}': {expect}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (("--training.stepz", "4"), "unknown flag '--training.stepz'; allowed keys in [training]:"),
+        (("--training.steps", "abc"), "--training.steps: invalid literal for int()"),
+        (("--training.local_batch_size", "0"), "training.local_batch_size = 0: expected an int >= 1"),
+    ],
+    ids=["flag-typo", "flag-type", "zero-batch"],
+)
+def test_bad_flags(tmp_path, previous_run, args, expect):
+    _refused(tmp_path, previous_run, *args, expect=expect)
+
+
+@pytest.mark.slow
+def test_degrees_that_do_not_fit_the_processes(tmp_path, previous_run):
+    _refused(
+        tmp_path,
+        previous_run,
+        "--parallelism.data_parallel_shard_degree", "2",
+        nproc=3,
+        expect="parallelism.data_parallel_shard_degree = 2: with the other degrees at 1 the degrees multiply "
+        "to 2, but NGPU x nodes = 3 processes",
+    )  # fmt: skip
+
+
+def _truncate_largest(folder: Path) -> None:
+    victim = max((folder / "checkpoint" / "step-2").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, damage, nproc, expect",
+    [
+        ((), _truncate_largest, 1, "step-2 is damaged: "),
+        (
+            ("--quantize.recipe", "fp8_rowwise"),
+            None,
+            1,
+            "(quantize.recipe: checkpoint has 'bf16', this run has",
+        ),
+        (("--job.base", "low_bits_training.titan.bases:llama3_tiny"), None, 1, "(model.config.layers:"),
+        ((), None, 2, "holds the data position of 1 data-parallel rank(s), this run has 2"),
+    ],
+    ids=["truncated", "another-plan", "another-model", "resharded-data"],
+)
+def test_checkpoints_that_cannot_be_resumed(tmp_path, previous_run, args, damage, nproc, expect):
+    line = _refused(tmp_path, previous_run, *RUN, *args, code=4, damage=damage, nproc=nproc, expect=expect)
+    assert line.startswith("low-bits-training: checkpoint refused: checkpoint ")

@@ -70,6 +70,7 @@ def slurm(tmp_path):
             NNODES=str(nnodes),
             OUTPUT_ROOT=str(tmp_path / "outputs"),
             ENV_FILE=str(tmp_path / ".env"),
+            LBT_SECRETS_DIR=str(tmp_path / "secrets"),
             **env,
         )
         p = subprocess.run(
@@ -112,7 +113,7 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
         "--kill-on-bad-exit=1",
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "low_bits_training.titan.launcher",
         "--nnodes=2",
         "--nproc_per_node=4",
         "--max-restarts=0",
@@ -122,8 +123,7 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
         "--local-ranks-filter=0",
         "--role=rank",
         "--tee=3",
-        "-m",
-        "low_bits_training.titan.launch",
+        "--",
         "--config-file",
         "train_configs/debug_model.toml",
         "--job.name",
@@ -147,6 +147,25 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
     assert sr["env"]["OMP_NUM_THREADS"] == "1"
     assert SECRET not in p.stdout + p.stderr
     assert out.is_dir()
+
+
+SHELL_SECRET = "hf-shell-secret-0987654321"
+
+
+def test_secrets_exported_in_the_shell_stay_out_of_what_sbatch_records(slurm, tmp_path):
+    p, calls = slurm(RUN_NAME="shell-secrets", NGPU="1", HF_TOKEN=SHELL_SECRET, MY_API_KEY="k e y'$x")
+    assert p.returncode == 0, p.stderr
+    sb, sr = calls
+    recorded = json.dumps(sb)
+    assert SHELL_SECRET not in recorded and "k e y" not in recorded and SECRET not in recorded
+    assert not {"HF_TOKEN", "MY_API_KEY", "WANDB_API_KEY"} & set(sb["env"])
+    # the nodes get them, values intact (quoting), from a file only its owner can read
+    assert sr["env"]["HF_TOKEN"] == SHELL_SECRET and sr["env"]["MY_API_KEY"] == "k e y'$x"
+    assert sr["env"]["WANDB_API_KEY"] == SECRET
+    secrets = tmp_path / "secrets" / "shell-secrets.env"
+    assert sb["env"]["LBT_SECRETS_FILE"] == str(secrets)
+    assert secrets.stat().st_mode & 0o777 == 0o600
+    assert SHELL_SECRET not in p.stdout + p.stderr
 
 
 def test_resubmit_same_name_same_folder_and_says_resume(slurm, tmp_path):

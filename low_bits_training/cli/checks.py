@@ -146,23 +146,16 @@ def check_gpu_count(env: Mapping[str, str]) -> Check:
     return Check("gpu count", "OK", f"NGPU={ngpu} = {have} visible GPU(s)")
 
 
-def wandb_credentials(env: Mapping[str, str]) -> str | None:
-    """Where W&B credentials come from (``WANDB_API_KEY``, ``WANDB_MODE``, ``netrc``), or None. Never the key."""
-    if env.get("WANDB_API_KEY"):
-        return "WANDB_API_KEY"
-    if env.get("WANDB_MODE"):
-        return f"WANDB_MODE={env['WANDB_MODE']}"
-    netrc = Path(env.get("NETRC") or Path(env.get("HOME", str(Path.home()))) / ".netrc")
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "netrc"
-    return None
-
-
 def check_wandb(env: Mapping[str, str], enabled_in_config: bool = False) -> Check:
-    """W&B credentials: missing is a WARN (metrics still go to metrics.jsonl), a FAIL if the config asks for W&B."""
-    source = wandb_credentials(env)
-    if source:
-        return Check("wandb", "OK", f"configured ({source})")
+    """W&B credentials, judged by the launcher's own test (``titan.configure.wandb_configured``: an API key,
+    ``WANDB_MODE`` or a netrc entry; the key is never shown): missing is a WARN (metrics still go to
+    metrics.jsonl), a FAIL if the config asks for W&B."""
+    from low_bits_training.titan.configure import wandb_configured
+
+    if wandb_configured(dict(env)):
+        return Check(
+            "wandb", "OK", "configured (WANDB_API_KEY, WANDB_MODE or a netrc entry for api.wandb.ai)"
+        )
     status: Status = "FAIL" if enabled_in_config else "WARN"
     why = (
         "metrics.enable_wandb is set" if enabled_in_config else "metrics go to metrics.jsonl/TensorBoard only"

@@ -1,75 +1,27 @@
-"""Checks that need the run's config: does it resolve, can its formats run here, are its data and tokenizer
-reachable, is there disk for its checkpoints."""
+"""Checks that need the run's config: does it resolve as the launcher resolves it, which backend runs each
+linear layer on this hardware (the resolved plan: ``config.backends.gemm_backend``, the answer the plan table
+gives), does that combination suit torch.compile, are its data and tokenizer reachable, is there disk for its
+checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from low_bits_training.cli.checks import Check, check_disk
-
-# Smallest compute capability with real kernels, per family of recipe names (first match wins). Data, not
-# branches: a new family is one more row.
-# ``on_cpu``: a real low-bit GEMM exists on the CPU (torch._scaled_mm runs fp8 there, slowly).
-FORMAT_HARDWARE: tuple[tuple[str, tuple[int, int], str, bool], ...] = (
-    ("nvfp4", (10, 0), "NVFP4 real kernels need SM100 (B200)", False),
-    ("mx", (10, 0), "MX real kernels need SM100 (B200)", False),
-    ("fp8", (8, 9), "fp8 kernels need SM89+ (L4/H100)", True),
+from low_bits_training.config.backends import (
+    GEMMS,
+    Hardware,
+    gemm_backend,
+    torchao_kernel_refusal,
+    torchao_recipe,
 )
-FULL_PRECISION = ("", "none", "fp32", "bf16", "float32", "bfloat16")
+
 HUB_FREE_DATASETS = ("lbt_markov", "lbt_markov_validation")
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
-
-
-def recipes_in(data: dict[str, Any], args: list[str]) -> list[str]:
-    """Recipe names a run uses: ``[quantize] recipe`` in the TOML, overridden by ``--quantize.recipe X``."""
-    recipe = data.get("quantize", {}).get("recipe")
-    for i, a in enumerate(args):
-        if a.startswith("--quantize.recipe="):
-            recipe = a.split("=", 1)[1]
-        elif a == "--quantize.recipe" and i + 1 < len(args):
-            recipe = args[i + 1]
-    return [recipe] if recipe else []
-
-
-def check_format(recipe: str, capability: tuple[int, int] | None, emulate: bool | None = None) -> Check:
-    """Whether ``recipe`` runs with real kernels on this hardware or needs emulation.
-
-    Args:
-        recipe: a recipe name (``fp8_rowwise``, ``mxfp8``, ``nvfp4`` ...).
-        capability: the GPU's (major, minor), or None without a GPU.
-        emulate: the config's ``quantize.emulate`` if it has one.
-
-    Returns:
-        OK (real kernels, fp8 on CPU, or full precision), WARN (emulated), FAIL (needs emulation but ``emulate = false``).
-    """
-    name = f"format {recipe}"
-    if recipe.lower() in FULL_PRECISION:
-        return Check(name, "OK", "no quantization")
-    row = next((r for r in FORMAT_HARDWARE if r[0] in recipe.lower()), None)
-    if row is None:
-        return Check(
-            name, "WARN", "unknown recipe family: hardware support not known", "check the recipe name"
-        )
-    _, need, why, on_cpu = row
-    if capability is not None and capability >= need:
-        return Check(name, "OK", f"real kernels (SM{capability[0]}{capability[1]})")
-    if capability is None and on_cpu:
-        return Check(name, "OK", "CPU: real fp8 GEMM via torch._scaled_mm (slow), or emulation")
-    where = "CPU" if capability is None else f"SM{capability[0]}{capability[1]}"
-    if emulate is False:
-        return Check(name, "FAIL", f"{where}: {why}", "set quantize.emulate = true or run on newer GPUs")
-    return Check(
-        name, "WARN", f"emulated on {where}: {why}", "numerics are exact; speed is not representative"
-    )
-
-
-def gpu_capability() -> tuple[int, int] | None:
-    """The first GPU's compute capability, or None without a GPU."""
-    import torch
-
-    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+_SLOW = ("emulate", "torchao_emulated")
 
 
 def cpu_adapters_once() -> None:
@@ -83,24 +35,87 @@ def cpu_adapters_once() -> None:
         cpu.install_device_module()
 
 
-def load(config_file: str | None, args: list[str]) -> tuple[Check, Any]:
-    """Resolve the config (base < TOML < args) as the launcher does; a ConfigError is a FAIL.
+def resolve_run(config_file: str | None, args: list[str]) -> tuple[Check, Any]:
+    """Resolve and validate the run exactly as the launcher does (``titan.launch.build_config``: TOML,
+    overrides, torchtitan's checks, the precision plan, datasets and tokenizer); a ConfigError is a FAIL.
 
     Returns:
-        The check and the config (None when it did not resolve).
+        The check and the built config (None when it did not resolve).
     """
     from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan.configure import load_config
+    from low_bits_training.titan.launch import build_config
 
     try:
-        config = load_config(config_file, args)
+        config = build_config((["--config-file", config_file] if config_file else []) + list(args))
     except ConfigError as e:
         return Check("config", "FAIL", str(e), "fix the key named above"), None
     except SystemExit:  # tyro rejected a flag (it printed why)
         return Check("config", "FAIL", f"bad command-line override in {args}", "see the message above"), None
-    return Check(
-        "config", "OK", f"{config_file or 'base'} -> {config.job.base}, dump_folder {config.dump_folder}"
-    ), config
+    where = f"{config_file or 'base'} -> {config.job.base}, dump_folder {config.dump_folder}"
+    return Check("config", "OK", where), config
+
+
+def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """What runs each linear of the run on ``hw``: FQN -> (module label, backend per GEMM), in model order.
+
+    The same resolution the launcher applies (``titan.quantize.plan_on``); linears a base's torchtitan
+    converter swapped are ``torchtitan``.
+    """
+    from low_bits_training.titan.quantize import converted_linears, plan_module_label, plan_on
+
+    plans = plan_on(config, hw, quantize)
+    out = {fqn: (plan_module_label(p), tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in plans.items()}
+    for fqn, label in converted_linears(config.model_spec.model).items():
+        out[fqn] = (label, ("torchtitan",) * len(GEMMS))
+    return out
+
+
+def _slow_fix(config: Any, hw: Hardware, quantize: Any) -> str:
+    from low_bits_training.titan.quantize import plan_on
+
+    if hw.kind == "cpu":
+        return "CPU: numerics are exact, speed is not a GPU's"
+    plans = plan_on(config, hw, quantize)
+    recipe = next((r for p in plans.values() if (r := torchao_recipe(p)) is not None), None)
+    why = torchao_kernel_refusal(recipe, hw) if recipe is not None else None
+    if why:
+        return f"{why}: run on newer GPUs, or accept emulated speed"
+    return "no torchao module computes these plans (docs/precision_plan.md): speed is emulation's"
+
+
+def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = "backends") -> Check:
+    """Which backend runs the run's linears on ``hw``; WARN where a quantized GEMM is emulated (ours, or
+    torchao's emulated mode), with the reason (the hardware lacks the kernel, or torchao has no such module).
+
+    Raises:
+        ConfigError: the plan does not resolve (see ``config.plan.resolve_plan``).
+    """
+    rows = layer_backends(config, hw, quantize)
+    counts = Counter((label, "/".join(dict.fromkeys(b))) for label, b in rows.values())
+    detail = f"on {hw}: " + "; ".join(f"{n} x {label} [{b}]" for (label, b), n in counts.items())
+    if any(b in _SLOW for _, bs in rows.values() for b in bs):
+        return Check(name, "WARN", detail, _slow_fix(config, hw, quantize))
+    return Check(name, "OK", detail)
+
+
+def check_compile(config: Any, hw: Hardware) -> Check:
+    """torch.compile against the backends: torchao's kernels want it; torchao's emulated mode on a GPU with
+    compile is what torchtitan refuses (it runs on a CPU with torch 2.14.1, tested; untested on GPUs)."""
+    on = config.compile.enable and "model" in config.compile.components
+    backends = {b for _, bs in layer_backends(config, hw).values() for b in bs}
+    if "torchao" in backends and not on:
+        return Check(
+            "compile",
+            "WARN",
+            "off, with torchao kernels",
+            "enable [compile] (torchao's kernels are fast only compiled)",
+        )
+    if on and "torchao_emulated" in backends and hw.kind == "cuda":
+        why = (
+            "torchao's emulated mode under torch.compile on a GPU is refused by torchtitan and untested here"
+        )
+        return Check("compile", "WARN", why, "use quantize.backend = 'auto' (our emulation compiles)")
+    return Check("compile", "OK", "on" if on else "off")
 
 
 def check_dataset(config: Any, env: dict[str, str]) -> Check:
@@ -143,19 +158,16 @@ def glob_exists(path: str) -> bool:
 
 
 def check_tokenizer(config: Any) -> Check:
-    """The tokenizer folder (``hf_assets_path``) has a tokenizer file; the Markov corpus brings its own."""
+    """Where the tokenizer is (the launcher's validation already refused a folder without one)."""
+    from low_bits_training.titan.datasets import _TOKENIZER_FILES  # the launcher's list: one home
+
     path = Path(config.hf_assets_path)
-    found = [f for f in _TOKENIZER_FILES if (path / f).is_file()]
-    if found:
-        return Check("tokenizer", "OK", f"{path / found[0]}")
-    if config.dataloader.dataset in HUB_FREE_DATASETS:
-        return Check("tokenizer", "OK", "comes with the Markov corpus (built on first run)")
-    return Check(
-        "tokenizer",
-        "FAIL",
-        f"hf_assets_path = {str(path)!r}: none of {', '.join(_TOKENIZER_FILES)}",
-        "download the model's tokenizer there (needs network) or fix hf_assets_path",
-    )
+    found = next((path / f for f in _TOKENIZER_FILES if (path / f).is_file()), None)
+    if found is None:  # unreachable after build_config; kept so a future loader change cannot pass silently
+        return Check(
+            "tokenizer", "FAIL", f"hf_assets_path = {str(path)!r}: none of {', '.join(_TOKENIZER_FILES)}"
+        )
+    return Check("tokenizer", "OK", str(found))
 
 
 def param_count(config: Any) -> int | None:
@@ -189,30 +201,30 @@ def check_checkpoint_disk(config: Any) -> Check:
     return check_disk(folder, checkpoint_bytes(config, param_count(config)))
 
 
+def _recipe_check(config: Any, hw: Hardware, recipe: str) -> Check:
+    from low_bits_training.config.tree import ConfigError
+
+    try:
+        return check_backends(
+            config, hw, dataclasses.replace(config.quantize, recipe=recipe), f"recipe {recipe}"
+        )
+    except ConfigError as e:
+        return Check(f"recipe {recipe}", "FAIL", str(e), "fix the recipe or [quantize] rules")
+
+
 def config_checks(
-    config_file: str | None, args: list[str], env: dict[str, str], extra_recipes: list[str]
+    config_file: str | None, args: list[str], env: dict[str, str], extra_recipes: list[str], hw: Hardware
 ) -> tuple[list[Check], bool]:
-    """All checks that need the config.
+    """All checks that need the config, judged on hardware ``hw``.
 
     Returns:
         The checks and whether the config asks for W&B.
     """
     cpu_adapters_once()
-    from low_bits_training.titan.configure import read_toml
-
-    checks, data = [], {}
-    if config_file:
-        try:
-            data = read_toml(config_file)
-        except Exception as e:  # ConfigError: one line already
-            return [Check("config", "FAIL", str(e), "fix --config-file")], False
-    emulate = data.get("quantize", {}).get("emulate")
-    cap = gpu_capability()
-    for recipe in dict.fromkeys(recipes_in(data, args) + extra_recipes):
-        checks.append(check_format(recipe, cap, emulate))
-    status, config = load(config_file, args)
-    checks.insert(0, status)
+    status, config = resolve_run(config_file, args)
     if config is None:
-        return checks, False
+        return [status], False
+    checks = [status, check_backends(config, hw), check_compile(config, hw)]
+    checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     checks += [check_tokenizer(config), check_dataset(config, env), check_checkpoint_disk(config)]
     return checks, bool(config.metrics.enable_wandb)

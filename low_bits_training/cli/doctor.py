@@ -1,8 +1,9 @@
 """``lbt-doctor`` / ``python -m low_bits_training.cli.doctor [--config-file X.toml] [--recipe R ...] [overrides]``
 
-Checks the environment before a long job: versions, GPUs, NCCL, whether each format runs with real kernels or
-emulated, W&B, tokenizer and dataset, disk for checkpoints. Prints one table row per check (OK / WARN / FAIL
-with a one-line fix) and exits 1 when anything FAILs.
+Checks the environment before a long job: versions, GPUs, NCCL, W&B, then the run itself as the launcher would
+start it: its config, which backend runs each linear layer here (or on ``--hardware``), torch.compile, data,
+tokenizer, disk for checkpoints. Prints one table row per check (OK / WARN / FAIL with a one-line fix) and exits
+1 when anything FAILs. Without ``--config-file`` it checks the run ``./run_llama_train.sh`` starts by default.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from low_bits_training.cli.checks import (
     Check,
@@ -20,18 +22,51 @@ from low_bits_training.cli.checks import (
     check_versions,
     check_wandb,
 )
+from low_bits_training.config.backends import Hardware, detect_hardware
+
+DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
+"""``run_llama_train.sh``'s ``CONFIG_FILE`` default (a test holds the two equal)."""
+HARDWARE = {
+    "cpu": (None, "cpu"),
+    "sm89": ((8, 9), "cuda"),
+    "sm90": ((9, 0), "cuda"),
+    "sm100": ((10, 0), "cuda"),
+}
+
+
+def default_config_file(env: Mapping[str, str]) -> str:
+    """``$CONFIG_FILE``, else the launcher's default, found from here or from the repository this package is in."""
+    if env.get("CONFIG_FILE"):
+        return env["CONFIG_FILE"]
+    here = Path(DEFAULT_CONFIG_FILE)
+    repo = Path(__file__).resolve().parents[2] / DEFAULT_CONFIG_FILE
+    return str(here if here.is_file() or not repo.is_file() else repo)
+
+
+def hardware(name: str | None) -> Hardware:
+    """This machine's hardware, or the one ``--hardware`` names (torchao availability is this machine's)."""
+    here = detect_hardware()
+    if name is None:
+        return here
+    capability, kind = HARDWARE[name]
+    return Hardware(kind, capability, here.torchao)
 
 
 def run_checks(
-    config_file: str | None, args: list[str], env: Mapping[str, str], recipes: list[str] | None = None
+    config_file: str | None,
+    args: list[str],
+    env: Mapping[str, str],
+    recipes: list[str] | None = None,
+    hw: Hardware | None = None,
 ) -> list[Check]:
     """Every check, in the order a user fixes them.
 
     Args:
-        config_file: the run's TOML (None: the environment checks and the base config).
+        config_file: the run's TOML (None: ``default_config_file(env)``).
         args: training overrides as the launcher takes them (``--quantize.recipe fp8_rowwise``).
         env: the environment to judge (``os.environ``).
-        recipes: more recipe names to check (e.g. every recipe of a sweep).
+        recipes: more recipe names to judge on the same model (e.g. every recipe of a sweep).
+        hw: the hardware to judge the plan on (default: this machine's).
 
     Returns:
         The checks.
@@ -39,7 +74,9 @@ def run_checks(
     from low_bits_training.cli.config_checks import config_checks
 
     checks = [*check_versions(), check_cuda(), check_nccl(), check_gpu_count(env)]
-    more, wandb_asked = config_checks(config_file, args, dict(env), recipes or [])
+    more, wandb_asked = config_checks(
+        config_file or default_config_file(env), args, dict(env), recipes or [], hw or detect_hardware()
+    )
     return [*checks, check_wandb(env, wandb_asked), *more]
 
 
@@ -62,10 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lbt-doctor", description=__doc__.split("\n\n")[1], allow_abbrev=False
     )
-    parser.add_argument("--config-file", default=os.environ.get("CONFIG_FILE"), help="the run's TOML")
-    parser.add_argument("--recipe", action="append", default=[], help="also check this recipe (repeatable)")
+    parser.add_argument(
+        "--config-file", default=None, help=f"the run's TOML (default: $CONFIG_FILE or {DEFAULT_CONFIG_FILE})"
+    )
+    parser.add_argument("--recipe", action="append", default=[], help="also judge this recipe (repeatable)")
+    parser.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default=None,
+        help="judge the plan as on this GPU (default: this machine)",
+    )
     ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    checks = run_checks(ns.config_file, rest, os.environ, ns.recipe)
+    repo = Path(__file__).resolve().parents[2]
+    if (
+        ns.config_file is None
+        and not os.environ.get("CONFIG_FILE")
+        and (repo / "run_llama_train.sh").is_file()
+    ):
+        os.chdir(repo)  # as run_llama_train.sh does: the default run's relative paths are the repository's
+    checks = run_checks(ns.config_file, rest, os.environ, ns.recipe, hardware(ns.hardware))
     print(render(checks))
     fails = sum(c.status == "FAIL" for c in checks)
     warns = sum(c.status == "WARN" for c in checks)

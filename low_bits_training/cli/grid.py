@@ -5,10 +5,10 @@ Grid file (TOML)::
     config_file = "train_configs/debug_model.toml"
     name = "precision"                        # runs go to outputs/sweeps/precision/<point>
     args = ["--training.steps", "200"]        # the same overrides for every point
-    baseline = { "quantize.recipe" = "none" } # the row the others are compared with (default: the first)
+    baseline = { "quantize.recipe" = "bf16" } # the row the others are compared with (default: the first)
     seed_key = "debug.seed"                   # points that differ only here are one row (mean +- std)
     [grid]
-    "quantize.recipe" = ["none", "fp8_rowwise"]
+    "quantize.recipe" = ["bf16", "fp8_rowwise"]
     "debug.seed" = [0, 1, 2]
     nproc = [1]                               # processes per node (parallelism); any other key is an override
 """

@@ -1,16 +1,18 @@
-"""Run one configuration: locally through torchrun (as run_llama_train.sh does) or through submit.sh (slurm)."""
+"""Run one configuration: locally through ``run_llama_train.sh`` (the user's own command, so the launcher's
+checks, exit codes and per-rank thread share are the same) or through ``submit.sh`` (slurm)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCH = "low_bits_training.titan.launch"
+TRAIN_SCRIPT = REPO / "run_llama_train.sh"
 
 
 @dataclass(frozen=True)
@@ -20,61 +22,60 @@ class Result:
     folder: Path
     """Its dump folder (``metrics.jsonl`` is there when it trained)."""
     returncode: int
-    """0 when it trained (or was submitted)."""
+    """0 when it trained (or was submitted); the launcher's code otherwise (2 config, 3 non-finite stop, 4
+    checkpoint, 1 crash, 124 timeout)."""
 
 
-def torchrun_command(
-    config_file: str, folder: Path, args: Sequence[str], nproc: int = 1, python: str = sys.executable
-) -> list[str]:
-    """The torchrun command run_llama_train.sh would run, with ``--dump_folder folder``."""
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=localhost:0",
-        "--local-ranks-filter=0",
-        "--role=rank",
-        "--tee=3",
-        "-m",
-        LAUNCH,
-        "--config-file",
-        config_file,
-        "--dump_folder",
-        str(folder),
-        *args,
-    ]
+def train_command(folder: Path, args: Sequence[str]) -> list[str]:
+    """The command that trains into ``folder``: ``run_llama_train.sh --dump_folder folder ARGS``."""
+    return [str(TRAIN_SCRIPT), "--dump_folder", str(folder), *args]
 
 
-def local_env(nproc: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a local run: each rank an equal share of the cores (as run_llama_train.sh)."""
+def train_env(config_file: str, nproc: int = 1, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment ``run_llama_train.sh`` reads: CONFIG_FILE, NGPU, this interpreter, no set-up.
+
+    With several processes OMP_NUM_THREADS is left to the script, which gives each rank an equal share of
+    the cores.
+    """
     env = dict(os.environ if base is None else base)
-    if "OMP_NUM_THREADS" not in env or nproc > 1:
-        env["OMP_NUM_THREADS"] = str(max((os.cpu_count() or 1) // nproc, 1))
-    env.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    env.update(CONFIG_FILE=str(config_file), NGPU=str(nproc), PYTHON=sys.executable, LBT_SKIP_SETUP="1")
+    if nproc > 1:
+        env.pop("OMP_NUM_THREADS", None)
     return env
 
 
 def run_local(
-    config_file: str, folder: Path, args: Sequence[str], nproc: int = 1, timeout: float | None = None
+    config_file: str,
+    folder: Path,
+    args: Sequence[str],
+    nproc: int = 1,
+    timeout: float | None = None,
+    watch: Callable[[], None] | None = None,
 ) -> Result:
     """Train one configuration to ``folder``; its output goes to ``folder/train.log``.
 
+    Args:
+        watch: called about once a second while it runs (progress displays).
+
     Returns:
-        The folder and torchrun's exit code (a failed run does not stop a sweep).
+        The folder and the launcher's exit code (a failed run does not stop a sweep).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(config_file, folder, args, nproc)
+    deadline = None if timeout is None else time.monotonic() + timeout
     with open(folder / "train.log", "w") as log:
-        try:
-            p = subprocess.run(
-                cmd, cwd=REPO, env=local_env(nproc), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
-            )
-            code = p.returncode
-        except subprocess.TimeoutExpired:
-            code = 124
-    return Result(folder, code)
+        p = subprocess.Popen(
+            train_command(folder, args), cwd=REPO, env=train_env(config_file, nproc), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        while p.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                os.killpg(p.pid, 15)  # its own session: the launcher and every rank
+                p.wait()
+                return Result(folder, 124)
+            if watch is not None:
+                watch()
+            time.sleep(1.0)
+    return Result(folder, p.returncode)
 
 
 def submit(

@@ -1,4 +1,4 @@
-"""Numbers of finished runs (from ``metrics.jsonl``) and the sweep table: markdown, CSV and a loss plot."""
+"""The sweep table of finished runs (read by ``report.runs``): markdown, CSV and a loss plot."""
 
 from __future__ import annotations
 
@@ -8,22 +8,17 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-LOSS = "loss_metrics/global_avg_loss"
-TPS = "throughput(tps)"
-MEMORY = "memory/max_reserved(GiB)"
-
 
 @dataclass(frozen=True)
 class RunStats:
-    """One run's summary."""
+    """One run's summary, as every table shows it (read by ``report.runs``, the one run-folder reader)."""
 
     losses: dict[int, float]
     """Step -> loss."""
     tps: float
-    """Tokens/s per process: median over logged steps after the first (warm-up and compile excluded; the
-    median shrugs off steps slowed by other jobs on a shared machine)."""
+    """Tokens/s per process: the median over logged steps after the first (``RunData.tps``)."""
     peak_gib: float
-    """Peak reserved memory (GiB; on CPU the process's peak RSS)."""
+    """Peak memory (GiB; on CPU the process's peak RSS)."""
 
     @property
     def final(self) -> float:
@@ -36,16 +31,12 @@ class RunStats:
 
 def run_stats(folder: str | Path) -> RunStats | None:
     """The summary of a run folder, or None when it has no metrics."""
-    from low_bits_training.titan.metrics import METRICS_FILE, read_metrics
+    from low_bits_training.report.runs import has_metrics, load_run
 
-    if not (Path(folder) / METRICS_FILE).is_file():
+    if not has_metrics(folder):
         return None
-    rows = read_metrics(folder)
-    losses = {r["step"]: float(r[LOSS]) for r in rows if LOSS in r}
-    tps = [float(r[TPS]) for r in rows if TPS in r]
-    steady = tps[1:] or tps
-    peak = max((float(r[MEMORY]) for r in rows if MEMORY in r), default=math.nan)
-    return RunStats(losses, statistics.median(steady) if steady else math.nan, peak)
+    run = load_run(folder)
+    return RunStats(run.losses, run.tps, run.peak_memory_gib)
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:

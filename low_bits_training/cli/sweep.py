@@ -18,23 +18,28 @@ from pathlib import Path
 
 from low_bits_training.cli import runner
 from low_bits_training.cli.grid import NPROC, Grid, load_grid
+from low_bits_training.cli.progress import SweepProgress
 from low_bits_training.cli.summary import Row, markdown, plot_losses, run_stats, table_rows, write_csv
 
 
 def run_points(grid: Grid, out: Path, slurm: bool = False, nnodes: int = 1) -> list[runner.Result]:
-    """Run (or submit) every point of the grid, one after another; a failed point does not stop the rest."""
+    """Run (or submit) every point of the grid, one after another; a failed point does not stop the rest.
+
+    Locally a progress display (point i/N, elapsed, time left, the running point's step and loss) follows
+    the runs (``cli.progress``).
+    """
     results = []
     points = grid.points()
-    for i, p in enumerate(points, 1):
-        folder = out / p.name
-        print(f"[{i}/{len(points)}] {p.name}: {' '.join(p.args)}", flush=True)
-        if slurm:
-            r = runner.submit(grid.config_file, folder, p.args, p.nproc, nnodes, wandb_group=grid.name)
-        else:
-            r = runner.run_local(grid.config_file, folder, p.args, p.nproc)
-        if r.returncode != 0:
-            print(f"  exit code {r.returncode}; log: {folder / 'train.log'}", file=sys.stderr)
-        results.append(r)
+    with SweepProgress(len(points)) as progress:
+        for p in points:
+            folder = out / p.name
+            progress.start(p.name, folder, " ".join(p.args))
+            if slurm:
+                r = runner.submit(grid.config_file, folder, p.args, p.nproc, nnodes, wandb_group=grid.name)
+            else:
+                r = runner.run_local(grid.config_file, folder, p.args, p.nproc, watch=progress.poll)
+            progress.finish(r.returncode)
+            results.append(r)
     return results
 
 

@@ -15,7 +15,7 @@ COLUMNS = (
     ("run", "run"),
     ("steps", "steps"),
     ("final_loss", "final loss"),
-    ("mean_tps", "mean tok/s"),
+    ("median_tps", "median tok/s/proc"),
     ("peak_memory_gib", "peak memory (GiB)"),
     ("max_underflow", "max underflow"),
     ("max_saturation", "max saturation"),

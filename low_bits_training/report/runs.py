@@ -1,26 +1,33 @@
-"""Reading run folders: ``metrics.jsonl`` (loss, throughput, memory) and ``numerics.jsonl`` (statistics)."""
+"""The one reader of run folders, for ``lbt-report``, ``lbt-sweep`` and ``lbt-scaling``: ``metrics.jsonl``
+(loss, throughput, memory) and ``numerics.jsonl`` (statistics), and the numbers every table shows.
+
+Throughput is the **median** tokens/s per process over the logged steps after the first (the first holds
+warm-up and compilation; the median shrugs off steps slowed by other jobs on a shared machine). Every table
+(sweep, scaling, report) takes it from ``RunData.tps``.
+"""
 
 from __future__ import annotations
 
-import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from low_bits_training.config.runfolder import METRICS_FILE, read_jsonl, read_metrics
+from low_bits_training.numerics.records import NUMERICS_FILE
+
 LOSS = "loss_metrics/global_avg_loss"
 TPS = "throughput(tps)"
 MEMORY = ("memory/max_reserved(GiB)", "memory/max_active(GiB)")
+"""Peak memory keys, preferred first (on CPU both are the process's peak resident set)."""
 
 
 def _number(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float, str)) else math.nan
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return float(v)  # "nan" / "inf" strings stand for JSON's missing non-finite numbers
+    except (TypeError, ValueError):
+        return math.nan
 
 
 @dataclass
@@ -40,25 +47,51 @@ class RunData:
         return [p[0] for p in pts], [p[1] for p in pts]
 
     def memory_key(self) -> str | None:
+        """The peak-memory metric this run logged (``MEMORY`` order), or None."""
         return next((k for k in MEMORY if any(k in r for r in self.metrics)), None)
 
+    @property
+    def losses(self) -> dict[int, float]:
+        """Step -> training loss."""
+        return dict(zip(*self.series(LOSS), strict=True))
+
+    @property
+    def final_loss(self) -> float:
+        """The loss of the last logged step (NaN: none)."""
+        losses = self.losses
+        return losses[max(losses)] if losses else math.nan
+
+    @property
+    def tps(self) -> float:
+        """Tokens/s per process: the median over logged steps after the first (NaN: none logged)."""
+        values = self.series(TPS)[1]
+        steady = values[1:] or values
+        return statistics.median(steady) if steady else math.nan
+
+    @property
+    def peak_memory_gib(self) -> float:
+        """Peak memory over the run (GiB; NaN: not logged)."""
+        key = self.memory_key()
+        return max(self.series(key)[1], default=math.nan) if key else math.nan
+
     def summary(self) -> dict[str, Any]:
-        """The numbers table row: steps, final loss, mean throughput, peak memory, worst numerics."""
-        _, loss = self.series(LOSS)
-        _, tps = self.series(TPS)
-        mem_key = self.memory_key()
-        mem = self.series(mem_key)[1] if mem_key else []
+        """The numbers table row: steps, final loss, median throughput, peak memory, worst numerics."""
         num = {k: [_number(r[k]) for r in self.numerics] for k in ("underflow", "saturation", "sqnr_db")}
         return {
             "run": self.name,
             "steps": max((r["step"] for r in self.metrics), default=0),
-            "final_loss": loss[-1] if loss else math.nan,
-            "mean_tps": sum(tps[1:]) / len(tps[1:]) if len(tps) > 1 else (tps[0] if tps else math.nan),
-            "peak_memory_gib": max(mem) if mem else math.nan,
+            "final_loss": self.final_loss,
+            "median_tps": self.tps,
+            "peak_memory_gib": self.peak_memory_gib,
             "max_underflow": max(num["underflow"], default=math.nan),
             "max_saturation": max(num["saturation"], default=math.nan),
             "min_sqnr_db": min(num["sqnr_db"], default=math.nan),
         }
+
+
+def has_metrics(folder: str | Path) -> bool:
+    """True when ``folder`` holds a ``metrics.jsonl`` (the run logged at least its start)."""
+    return (Path(folder) / METRICS_FILE).is_file()
 
 
 def load_run(folder: str | Path) -> RunData:
@@ -68,14 +101,11 @@ def load_run(folder: str | Path) -> RunData:
         FileNotFoundError: the folder has neither metrics.jsonl nor numerics.jsonl.
     """
     folder = Path(folder)
-    raw = _read_jsonl(folder / "metrics.jsonl")
-    numerics = _read_jsonl(folder / "numerics.jsonl")
-    if not raw and not numerics:
-        raise FileNotFoundError(f"{folder}: no metrics.jsonl or numerics.jsonl (is it a run folder?)")
-    by_step: dict[int, dict[str, Any]] = {}
-    for row in raw:
-        by_step.setdefault(row["step"], {}).update(row)
-    return RunData(folder.resolve().name, folder, [by_step[s] for s in sorted(by_step)], numerics)
+    metrics = read_metrics(folder)
+    numerics = read_jsonl(folder / NUMERICS_FILE)
+    if not metrics and not numerics:
+        raise FileNotFoundError(f"{folder}: no {METRICS_FILE} or {NUMERICS_FILE} (is it a run folder?)")
+    return RunData(folder.resolve().name, folder, metrics, numerics)
 
 
 def heat(run: RunData, metric: str, role: str) -> tuple[list[str], list[int], list[list[float]]]:

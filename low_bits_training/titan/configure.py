@@ -8,8 +8,9 @@ A TOML file names a base (``[job] base = "llama3:llama3_debugmodel"``) and then 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
+import io
 import json
 import os
 import sys
@@ -20,31 +21,46 @@ from typing import Any
 
 import tomli_w
 
-from low_bits_training.config.secrets import redact, redact_argv
-from low_bits_training.config.tree import ConfigError, apply_dict, diff
+from low_bits_training.config.argv import flag_names, flag_value
+from low_bits_training.config.runfolder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML
+from low_bits_training.config.secrets import redact, redact_argv, wandb_credentials
+from low_bits_training.config.tree import ConfigError, apply_dict, diff, public_fields
 from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
+from low_bits_training.titan.compat import config_function, config_manager
+from low_bits_training.titan.job import BASE_SHAPE, JobConfig
 from low_bits_training.titan.metrics import LowBitsMetricsProcessor
-from low_bits_training.titan.trainer import JobConfig, LowBitsTrainer
+from low_bits_training.titan.trainer import LowBitsTrainer
 
 DEFAULT_BASE = JobConfig().base
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a TOML file. Raises ConfigError (one line) when it is missing or not TOML."""
+    """Parse a TOML file.
+
+    Raises:
+        ConfigError: one line when it is missing, not a file, not UTF-8 text, not TOML, or empty (an empty
+            file would silently mean the default base with torchtitan's defaults).
+    """
+    where = f"CONFIG_FILE = {str(path)!r}"
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"CONFIG_FILE = {str(path)!r}: no such file") from None
+        raise ConfigError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{where}: a folder, expected a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"{where}: not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not a text file (TOML is UTF-8 text); is it the right file?") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"CONFIG_FILE = {str(path)!r}: not valid TOML: {e}") from None
-
-
-@functools.cache
-def _config_manager():
-    from torchtitan.config.manager import ConfigManager
-
-    return ConfigManager()  # registers torchtitan's tyro rules once
+        raise ConfigError(f"{where}: not valid TOML: {e}") from None
+    if not data:
+        raise ConfigError(
+            f"{where}: empty (no keys); expected at least [job] base = 'module:function', "
+            "see train_configs/debug_model.toml"
+        )
+    return data
 
 
 def resolve_base(base: str) -> LowBitsTrainer.Config:
@@ -53,11 +69,10 @@ def resolve_base(base: str) -> LowBitsTrainer.Config:
     Raises:
         ConfigError: malformed name, unknown module or function, or a function that returns no config.
     """
-    module, sep, fn = base.partition(":")
-    if not sep or not module or not fn:
-        raise ConfigError(f"job.base = {base!r}: expected 'module:function', e.g. {DEFAULT_BASE!r}")
-    try:  # ConfigManager._load_config resolves torchtitan short names and dotted modules alike
-        cfg, _ = _config_manager()._load_config(["--module", module, "--config", fn])
+    BASE_SHAPE.check("job.base", base)
+    module, _, fn = base.partition(":")
+    try:
+        cfg = config_function(module, fn)
     except (ValueError, ImportError, TypeError) as e:  # TypeError: a function that needs arguments
         raise ConfigError(f"job.base = {base!r}: {str(e).splitlines()[0]}") from None
     from torchtitan.trainer import Trainer
@@ -77,22 +92,9 @@ def upgrade(cfg: Any, cls: type) -> Any:
     return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
 
 
-def _cli_base(args: list[str]) -> str | None:
-    for i, a in enumerate(args):
-        if a.startswith("--job.base="):
-            return a.split("=", 1)[1]
-        if a == "--job.base" and i + 1 < len(args):
-            return args[i + 1]
-    return None
-
-
 def wandb_configured(env: dict[str, str] | None = None) -> bool:
-    """True when the user has set W&B up: an API key, an explicit mode, or a netrc entry for its host."""
-    env = os.environ if env is None else env
-    if env.get("WANDB_API_KEY") or env.get("WANDB_MODE"):
-        return True
-    netrc = Path(env.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    """True when the user has set W&B up (``config.secrets.wandb_credentials``, the one test)."""
+    return wandb_credentials(os.environ if env is None else env) is not None
 
 
 def load_config(
@@ -116,7 +118,7 @@ def load_config(
     data = read_toml(config_file) if config_file else {}
     job = JobConfig()
     apply_dict(job, data.get("job", {}), "job")
-    base = _cli_base(cli_args) or job.base
+    base = flag_value(cli_args, "job.base") or job.base
     config = resolve_base(base)
     config.metrics.enable_wandb = config.metrics.enable_wandb or wandb_configured()
     if platform_defaults is not None:
@@ -129,19 +131,73 @@ def load_config(
 
 
 def parse_cli(config: LowBitsTrainer.Config, args: list[str]) -> LowBitsTrainer.Config:
-    """Apply torchtitan-style command-line flags on top of ``config`` (tyro, torchtitan's rules)."""
+    """Apply torchtitan-style command-line flags on top of ``config`` (tyro, torchtitan's rules).
+
+    ``--help`` prints tyro's help and exits (SystemExit 0), as torchtitan's own entry point does.
+
+    Raises:
+        ConfigError: a flag tyro refuses, in one line (tyro's own message is a framed box).
+    """
     if not args:
         return config
     import tyro
     from torchtitan.config.manager import custom_registry
 
-    _config_manager()
-    return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
+    config_manager()  # torchtitan's tyro rules are registered when it is made
+    if "--help" in args or "-h" in args:
+        return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
+    except SystemExit:
+        raise ConfigError(unknown_flag(config, args) or tyro_message(out.getvalue())) from None
+
+
+def unknown_flag(config: Any, args: list[str]) -> str | None:
+    """The first flag that names no field of the config tree, as one line with the allowed keys (None: all
+    name fields; ``--a.no-b`` names boolean ``a.b``). Paths into lists and choices are not followed."""
+    for name in flag_names(args):
+        obj, parts = config, name.split(".")
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+                break
+            fields = public_fields(obj)
+            last = i == len(parts) - 1
+            if part in fields:
+                obj = getattr(obj, part)
+            elif last and part.startswith("no_") and part[3:] in fields:
+                break
+            else:
+                where = f"[{'.'.join(parts[:i])}]" if i else "the top level"
+                return f"unknown flag '--{name}'; allowed keys in {where}: {', '.join(sorted(fields))}"
+    return None
+
+
+def tyro_message(box: str) -> str:
+    """tyro's framed error as one line: the box's first paragraph (``Unrecognized options: --a.b, 4``).
+
+    A value a section refuses (its ``ConfigError``, wrapped by tyro as ``Error parsing <section>: ...``)
+    comes back as that section's own line.
+    """
+    lines = [ln.strip().strip("│").strip() for ln in box.splitlines()]
+    seps = [i for i, ln in enumerate(lines) if ln and (set(ln) <= set("-─━") or ln[0] in "╭╰")]
+    body = lines[seps[0] + 1 : seps[1]] if len(seps) > 1 else lines[(seps or [-1])[0] + 1 :]
+    msg = " ".join(ln for ln in body if ln) or "tyro refused the command line"
+    msg = msg.removeprefix("Error parsing ")
+    name, sep, rest = msg.partition(": ")
+    if sep and not name.startswith("-") and " " not in name and "=" in rest:
+        return rest  # a section's own check: "profiling.x = -1: expected ..."
+    return f"command line: {msg}"
 
 
 def save_resolved(config: LowBitsTrainer.Config, folder: str | os.PathLike, argv: list[str]) -> Path:
     """Write ``config.toml`` (base + every field that differs from it: rerunnable), ``config.json`` (the
-    whole tree) and ``command.txt`` into ``folder``.
+    whole tree) and ``command.txt`` into ``folder``, each through a temporary name and a rename (a killed
+    write never leaves half a file in place of the previous run's).
+
+    Call it once the run has really started (the launcher does, after the checkpoint loaded): a run refused
+    before that must leave the folder's files, which rerun the previous run, as they were.
 
     Returns:
         The path of ``config.toml``.
@@ -157,10 +213,16 @@ def save_resolved(config: LowBitsTrainer.Config, folder: str | os.PathLike, argv
     )
     header += "".join(f"# not representable in TOML (left at the base's value): {k}\n" for k in lost)
     body = tomli_w.dumps(redact(changed))
-    (folder / "config.toml").write_text(header + body)
-    (folder / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2, default=repr) + "\n")
-    (folder / "command.txt").write_text(" ".join(redact_argv(argv)) + "\n")
-    return folder / "config.toml"
+    _write(folder / CONFIG_TOML, header + body)
+    _write(folder / CONFIG_JSON, json.dumps(redact(config.to_dict()), indent=2, default=repr) + "\n")
+    _write(folder / COMMAND_TXT, " ".join(redact_argv(argv)) + "\n")
+    return folder / CONFIG_TOML
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _pop_untomlable(d: dict[str, Any], where: str = "") -> list[str]:

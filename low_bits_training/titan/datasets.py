@@ -21,8 +21,15 @@ from low_bits_training.config.tree import ConfigError
 from low_bits_training.data.markov import build_corpus
 
 MARKOV_DEFAULT_PATH = "./assets/lbt_markov"
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # what HuggingFaceTokenizer loads
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+"""The files torchtitan's HuggingFaceTokenizer loads a tokenizer from, in the order it looks for them."""
+_TOKENIZER_FILES = TOKENIZER_FILES  # the name cli/config_checks.py imports today (the same tuple)
 _LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def tokenizer_file(folder: str | os.PathLike) -> Path | None:
+    """The first of ``TOKENIZER_FILES`` in ``folder`` (an ``hf_assets_path``), or None."""
+    return next((Path(folder) / f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()), None)
 
 
 def _markov_loader(split: str):
@@ -75,11 +82,26 @@ def register() -> None:
         DATASETS[name] = DatasetConfig(path=path, loader=loader, sample_processor=text)
 
 
-def _dataset_configs(config) -> list:
-    out = [config.dataloader]
+def _dataset_configs(config) -> list[tuple[str, object]]:
+    # (TOML key, dataloader config) of every dataloader that reads a named text dataset
+    out = [("dataloader", config.dataloader)]
     if getattr(config.validator, "enable", False) and hasattr(config.validator, "dataloader"):
-        out.append(config.validator.dataloader)
-    return [d for d in out if hasattr(d, "dataset")]
+        out.append(("validator.dataloader", config.validator.dataloader))
+    return [(k, d) for k, d in out if hasattr(d, "dataset")]
+
+
+def check_names(config) -> None:
+    """Every configured dataset is one torchtitan's text dataloader knows (ours registered first).
+
+    Raises:
+        ConfigError: an unknown name (torchtitan would stop on it in every rank, after building the model).
+    """
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    register()
+    for key, dl in _dataset_configs(config):
+        if dl.dataset not in DATASETS:
+            raise ConfigError(f"{key}.dataset = {dl.dataset!r}: expected one of {', '.join(sorted(DATASETS))}")
 
 
 def prepare_assets(config) -> None:
@@ -89,9 +111,11 @@ def prepare_assets(config) -> None:
     does not exist and a Markov dataset is used, the corpus's own tokenizer is used.
 
     Raises:
-        ConfigError: a ``local`` dataset without files, or a tokenizer folder that does not exist.
+        ConfigError: a dataset name torchtitan does not know, a ``local`` dataset without files, or a
+            tokenizer folder that does not exist.
     """
-    for dl in _dataset_configs(config):
+    check_names(config)
+    for _, dl in _dataset_configs(config):
         if dl.dataset.startswith("lbt_markov"):
             dl.dataset_path = dl.dataset_path or MARKOV_DEFAULT_PATH
             build_corpus(dl.dataset_path)
@@ -103,9 +127,8 @@ def prepare_assets(config) -> None:
                     "dataloader.dataset = 'local' needs dataloader.dataset_path (file, glob or folder)"
                 )
             local_files(dl.dataset_path)
-    tok = Path(config.hf_assets_path)
-    if not any((tok / f).is_file() for f in _TOKENIZER_FILES):
+    if tokenizer_file(config.hf_assets_path) is None:
         raise ConfigError(
-            f"hf_assets_path = {config.hf_assets_path!r}: none of {', '.join(_TOKENIZER_FILES)} there "
+            f"hf_assets_path = {config.hf_assets_path!r}: none of {', '.join(TOKENIZER_FILES)} there "
             "(use a local HF tokenizer folder, or dataset 'lbt_markov' for the built-in one)"
         )

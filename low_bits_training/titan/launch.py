@@ -1,31 +1,34 @@
-"""The training entry point: ``python -m low_bits_training.titan.launch --config-file x.toml [--a.b value ...]``.
+"""One training rank: ``python -m low_bits_training.titan.launch --config-file x.toml [--a.b value ...]``.
 
-What ``torchtitan.train.main`` does, plus: CPU adapters first (before any other torchtitan import), the TOML
-layer, the project's datasets, and the resolved config saved in the run folder. Bad configuration ends here
-with one line on stderr and exit code 2, before any model is built.
+torchrun starts one of these per rank (``run_llama_train.sh`` through ``titan/launcher.py``, which has
+checked the whole config before). What ``torchtitan.train.main`` does, plus: CPU adapters first (before any
+other torchtitan import), the TOML layer, the project's datasets, and the run's own files (resolved config,
+precision plan) written once the run has really started: after the checkpoint, if any, was loaded.
+
+A run that cannot go on ends in one line and an exit code that says why (``EXIT_CODES``); under the launcher
+the line goes to torchrun's error file and the launcher prints it once, whichever rank it came from.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
+from low_bits_training.config.argv import take_flag
 from low_bits_training.titan import cpu
+
+CONFIG_EXIT_CODE = 2
+CHECKPOINT_EXIT_CODE = 4
+UNDER_LAUNCHER = "LBT_LAUNCHER"
+"""Set (to 1) by the launcher for its ranks: report errors through torchrun's error file, not stderr."""
 
 
 def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
     """Take ``--config-file PATH`` (or ``--config-file=PATH``) out of argv; fall back to ``$CONFIG_FILE``."""
-    rest, path, i = [], os.environ.get("CONFIG_FILE") or None, 0
-    while i < len(argv):
-        a = argv[i]
-        if a.startswith("--config-file="):
-            path = a.split("=", 1)[1]
-        elif a == "--config-file" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 1
-        else:
-            rest.append(a)
-        i += 1
-    return path, rest
+    path, rest = take_flag(argv, "config-file")
+    return path or os.environ.get("CONFIG_FILE") or None, rest
 
 
 def cpu_defaults(config) -> None:
@@ -61,18 +64,82 @@ def build_config(argv: list[str]):
     return config
 
 
-def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+def exit_codes() -> tuple[tuple[type[BaseException], int, str], ...]:
+    """``(exception, exit code, what the line starts with)`` for every way a run ends on purpose.
+
+    2: the configuration (bad input), 3: the non-finite "stop" policy, 4: a checkpoint refused at load.
+    Anything else is a crash: its traceback, exit code 1.
+    """
+    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.titan.checkpoint import CheckpointError
+    from low_bits_training.titan.numerics import NONFINITE_EXIT_CODE, NonFiniteError
+
+    return (
+        (ConfigError, CONFIG_EXIT_CODE, "config error"),
+        (NonFiniteError, NONFINITE_EXIT_CODE, "stopped"),
+        (CheckpointError, CHECKPOINT_EXIT_CODE, "checkpoint refused"),
+    )
 
 
-def run(config) -> None:
-    """Build the trainer and train; close it whatever happens (as torchtitan.train.main does)."""
+def classify(error: BaseException) -> tuple[int, str] | None:
+    """``(exit code, the one line)`` for a known error (``exit_codes``), None for anything else."""
+    for cls, code, what in exit_codes():
+        if isinstance(error, cls):
+            return code, f"low-bits-training: {what}: {error}"
+    return None
+
+
+def report(error: BaseException) -> int | None:
+    """Say a known error in one line and return its exit code (None: not one of ``exit_codes``).
+
+    Under the launcher the line goes to torchrun's per-rank error file (the launcher prints it once);
+    otherwise rank 0 prints it to stderr.
+    """
+    from low_bits_training.titan.ranks import is_rank0
+
+    known = classify(error)
+    if known is None:
+        return None
+    code, line = known
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(UNDER_LAUNCHER) == "1" and error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    elif is_rank0():
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def write_run_files(config, argv: list[str]) -> None:
+    """The run has started: rank 0 writes the resolved config and the precision plan into the run folder."""
+    from torchtitan.tools.logging import logger
+
+    from low_bits_training.titan.configure import save_resolved
+    from low_bits_training.titan.quantize import save_plan
+    from low_bits_training.titan.ranks import is_rank0
+
+    if is_rank0():
+        path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
+        logger.info(f"Resolved config written to {path}")
+        save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
+
+
+def run(config, on_start) -> None:
+    """Build the trainer, call ``on_start()`` once the checkpoint (if any) is loaded, and train; close the
+    trainer whatever happens (as torchtitan.train.main does)."""
     import torch
     from torchtitan.tools.logging import logger
+
+    from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
 
     trainer = None
     try:
         trainer = config.build()
+        ckpt = trainer.checkpointer
+        if isinstance(ckpt, LowBitsCheckpointManager) and ckpt.enable:
+            ckpt.on_start = on_start  # called by its load, which train() starts with
+        else:
+            on_start()  # nothing to load: the run starts here
         if config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
@@ -86,27 +153,22 @@ def run(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One rank: resolve the config, train; a known error is one line and its exit code (``exit_codes``)."""
     argv = sys.argv[1:] if argv is None else argv
     if cpu.needs_cpu_adapters():
         cpu.install_device_module()
-    from torchtitan.tools.logging import init_logger, logger
-
-    from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan.configure import save_resolved
-    from low_bits_training.titan.numerics import exit_on_nonfinite
-    from low_bits_training.titan.quantize import save_plan
+    from torchtitan.tools.logging import init_logger
 
     init_logger()
     try:
         config = build_config(argv)
-    except ConfigError as e:
-        print(f"low-bits-training: config error: {e}", file=sys.stderr)
-        return 2
-    if _is_rank0():
-        path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
-        logger.info(f"Resolved config written to {path}")
-        save_plan(config, config.dump_folder)  # precision_plan.txt/.json, and the table in the log
-    return exit_on_nonfinite(run, config)  # [numerics] nonfinite = "stop": one line, exit code 3
+        run(config, on_start=lambda: write_run_files(config, argv))
+    except Exception as e:
+        code = report(e)
+        if code is None:
+            raise  # a crash: its traceback is what the user needs
+        return code
+    return 0
 
 
 if __name__ == "__main__":

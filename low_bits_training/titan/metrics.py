@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, _get_metrics_rank
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-METRICS_FILE = "metrics.jsonl"
+from low_bits_training.config.runfolder import METRICS_FILE, read_metrics
+from low_bits_training.titan.compat import MetricLoggerHook, metrics_rank
+from low_bits_training.titan.ranks import rank
+
+__all__ = ["METRICS_FILE", "JsonlLogger", "LowBitsMetricsProcessor", "read_metrics"]
 
 
 class JsonlLogger(BaseLogger):
@@ -45,7 +49,7 @@ def _plain(v: Any) -> Any:
     return v
 
 
-class LowBitsMetricsProcessor(MetricsProcessor):
+class LowBitsMetricsProcessor(MetricLoggerHook, MetricsProcessor):
     """MetricsProcessor that also writes ``<dump_folder>/metrics.jsonl``."""
 
     @dataclass(kw_only=True, slots=True)
@@ -53,35 +57,13 @@ class LowBitsMetricsProcessor(MetricsProcessor):
         enable_jsonl: bool = True
         """Write every logged metric to ``<dump_folder>/metrics.jsonl`` (the report and sweeps read it)."""
 
-    def _build_metric_logger(
-        self, *, config, parallel_dims, dump_folder, pp_schedule, **kwargs
+    def wrap_metric_logger(
+        self, inner: BaseLogger, *, config, parallel_dims, dump_folder, pp_schedule, **kwargs
     ) -> BaseLogger:
-        inner = MetricsProcessor._build_metric_logger(
-            self,
-            config=config,
-            parallel_dims=parallel_dims,
-            dump_folder=dump_folder,
-            pp_schedule=pp_schedule,
-            **kwargs,
-        )
-        if not config.enable_jsonl:
-            return inner
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule):
+        """Upstream's loggers plus the JSONL logger, on the rank torchtitan logs metrics from."""
+        if not config.enable_jsonl or rank() != metrics_rank(parallel_dims, pp_schedule):
             return inner
         container = LoggerContainer()
         container.add_logger(inner)
         container.add_logger(JsonlLogger(os.path.join(dump_folder, METRICS_FILE)))
         return container
-
-
-def read_metrics(folder: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a run folder's ``metrics.jsonl`` (training and validation rows of a step merged;
-    a resumed run appends, and later values win)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    with open(os.path.join(folder, METRICS_FILE)) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                by_step.setdefault(row["step"], {}).update(row)
-    return [by_step[s] for s in sorted(by_step)]

@@ -16,45 +16,39 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated, ClassVar
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torchtitan.tools.logging import logger
+
+from low_bits_training.config.section import AtLeast, Section
+from low_bits_training.titan.compat import memory_categories, profiler_running
+from low_bits_training.titan.ranks import rank
 
 FLOPS_DIR = "profiling/flops"
 TIMELINE_DIR = "profiling/memory_timeline"
 
 
 @dataclass(kw_only=True, slots=True)
-class ProfilingConfig:
+class ProfilingConfig(Section):
     """``[profiling]``: one-step FLOP table and memory timeline (see docs/profiling.md)."""
 
-    flop_table_step: int = 0
+    SECTION: ClassVar[str] = "profiling"
+
+    flop_table_step: Annotated[int, AtLeast(0, "0: off")] = 0
     """Count FLOPs per module during this step (0: off); writes profiling/flops/step_<N>_rank<r>.txt/.json."""
-    flop_table_depth: int = 3
+    flop_table_depth: Annotated[int, AtLeast(1)] = 3
     """Module depth of the FLOP table (1: the model only, 3: ``layers.<i>.<block>``)."""
-    memory_timeline_step: int = 0
+    memory_timeline_step: Annotated[int, AtLeast(0, "0: off")] = 0
     """Record this step's allocations and write profiling/memory_timeline/step_<N>_rank<r>.html/.json
     (0: off). Pick a step outside the ``[profiler]`` trace window: two profilers cannot run at once."""
-
-    def check(self) -> None:
-        """Raises: ValueError (one line) for a negative step or a depth < 1."""
-        for name in ("flop_table_step", "memory_timeline_step"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"profiling.{name} = {v!r}: expected an int >= 0 (0: off)")
-        if not isinstance(self.flop_table_depth, int) or self.flop_table_depth < 1:
-            raise ValueError(f"profiling.flop_table_depth = {self.flop_table_depth!r}: expected an int >= 1")
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _path(folder: str, sub: str, step: int, ext: str) -> str:
     d = os.path.join(folder, sub)
     os.makedirs(d, exist_ok=True)
-    return os.path.join(d, f"step_{step}_rank{_rank()}.{ext}")
+    return os.path.join(d, f"step_{step}_rank{rank()}.{ext}")
 
 
 def format_flop_table(counts: dict, depth: int) -> str:
@@ -75,6 +69,22 @@ def format_flop_table(counts: dict, depth: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sdpa_cpu(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_cpu_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# FlopCounterMode counts the CUDA attention kernels and FlexAttention but not SDPA's CPU kernel, which the
+# CPU attention (titan/cpu.py, adapter 2) and any CPU SDPA run: without these the table leaves attention out.
+ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+}
+
+
 @contextlib.contextmanager
 def flop_table(folder: str, step: int, depth: int) -> Iterator[None]:
     """Count the FLOPs of the enclosed code per module; write the table and per-module totals.
@@ -84,7 +94,7 @@ def flop_table(folder: str, step: int, depth: int) -> Iterator[None]:
         step: step number for the file names.
         depth: module depth of the text table.
     """
-    mode = FlopCounterMode(display=False, depth=depth)
+    mode = FlopCounterMode(display=False, depth=depth, custom_mapping=ATTENTION_FLOPS)
     with mode:
         yield
     counts = mode.get_flop_counts()
@@ -102,6 +112,40 @@ def _memory_device() -> str:
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
+def timeline_html(times_us: list[int], sizes: list[list[int]], title: str, path: str) -> None:
+    """A stacked plot of memory by category over time, embedded in an HTML page titled ``title``.
+
+    Args:
+        times_us: timestamps (microseconds).
+        sizes: per timestamp, bytes per category (``[0, *memory_categories()]`` order, as torch writes them).
+        title: the page and plot title (names the device: torch's own export says "GPU" on every device).
+        path: the ``.html`` file to write.
+    """
+    import base64
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    t = (np.asarray(times_us, dtype=float) - min(times_us)) / 1e3  # ms from the first event
+    stacked = np.cumsum(np.asarray(sizes, dtype=float), axis=1) / 2**30  # (T, 1 + categories), GiB
+    fig, ax = plt.subplots(figsize=(14, 7), dpi=80)
+    for i, name in enumerate(memory_categories()):
+        ax.fill_between(t, stacked[:, i], stacked[:, i + 1], alpha=0.7, label=name)
+    ax.set(xlabel="time (ms)", ylabel="memory (GiB)", title=title)
+    ax.legend(loc="upper left")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    png = base64.b64encode(buf.getvalue()).decode()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"<html><head><meta charset='utf-8'><title>{title}</title></head><body>")
+        f.write(f"<img alt='{title}' src='data:image/png;base64,{png}'></body></html>\n")
+
+
 @contextlib.contextmanager
 def memory_timeline(folder: str, step: int) -> Iterator[None]:
     """Record the enclosed code's allocations and export the memory timeline (HTML plot and JSON).
@@ -110,7 +154,7 @@ def memory_timeline(folder: str, step: int) -> Iterator[None]:
         folder: run folder.
         step: step number for the file names.
     """
-    if torch.autograd.profiler._is_profiler_enabled:  # torchtitan's [profiler] window covers this step
+    if profiler_running():  # torchtitan's [profiler] window covers this step
         logger.warning(f"profiling.memory_timeline_step = {step}: a profiler is already running; skipped")
         yield
         return
@@ -124,14 +168,27 @@ def memory_timeline(folder: str, step: int) -> Iterator[None]:
     with prof:
         yield
     dev = _memory_device()
-    for ext in ("html", "json"):
-        prof.export_memory_timeline(_path(folder, TIMELINE_DIR, step, ext), device=dev)
+    data_path = _path(folder, TIMELINE_DIR, step, "json")
+    prof.export_memory_timeline(data_path, device=dev)
+    with open(data_path) as f:
+        times, sizes = json.load(f)
+    peak = max((sum(s) for s in sizes), default=0) / 2**30
+    title = f"{dev.split(':')[0].upper()} memory timeline, step {step}, rank {rank()} (peak {peak:.2f} GiB)"
+    if times:
+        timeline_html(times, sizes, title, _path(folder, TIMELINE_DIR, step, "html"))
     logger.info(f"Memory timeline of step {step} written to {TIMELINE_DIR}")
 
 
+STEP_SPAN = "train_step {step}"
+"""The span each training step gets in a trace (torch's own ``ProfilerStep#N`` counts profiler steps,
+which torchtitan starts one step off: ``ProfilerStep#N`` covers training step N+1)."""
+
+
 def step_context(config: ProfilingConfig, folder: str, step: int) -> contextlib.ExitStack:
-    """The profiling extras that apply to ``step`` (an empty context on other steps)."""
+    """The profiling extras that apply to ``step``, and the step's span while a profiler records."""
     stack = contextlib.ExitStack()
+    if profiler_running():
+        stack.enter_context(torch.profiler.record_function(STEP_SPAN.format(step=step)))
     if config.memory_timeline_step == step:
         stack.enter_context(memory_timeline(folder, step))
     if config.flop_table_step == step:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.plan import QuantizeConfig
 from low_bits_training.config.secrets import redact
+from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
 from low_bits_training.titan.checkpoint import fingerprint
-from low_bits_training.titan.numerics import NumericsConfig, extras_for
+from low_bits_training.titan.comm import log_comm_bytes
+from low_bits_training.titan.numerics import NumericsConfig, extras_for, quant_layers
 from low_bits_training.titan.profiling import ProfilingConfig
+from low_bits_training.titan.schedule import install as install_schedule
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,9 +35,13 @@ class JobConfig:
 
 
 def step_seed(base: int, step: int) -> int:
-    """The global RNG seed of one training step: a 63-bit hash of (base seed, step)."""
-    digest = hashlib.blake2b(f"{base}|{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    """The global RNG seed of one training step (``derive_key(base seed, step)``)."""
+    return derive_key(base, step)
+
+
+def microbatch_key(base: int, step: int, microbatch: int, rank: int) -> int:
+    """The quantized layers' stochastic-rounding step key of one microbatch on one rank (``nn.rng``)."""
+    return derive_key("sr", base, step, microbatch, rank)
 
 
 class LowBitsTrainer(Trainer):
@@ -46,6 +53,10 @@ class LowBitsTrainer(Trainer):
             self.checkpointer.fingerprint = fingerprint(config)
         # torchtitan seeded this rank (debug.seed; distinct per PP stage): every step's stream derives from it.
         self._rng_base_seed = torch.initial_seed()
+        self._microbatch = 0
+        for fqn, layer in quant_layers(self.model_parts):  # each layer rounds with its own random bits
+            layer.set_name(fqn)
+        self._lbt_schedule = install_schedule(self)  # [[quantize.phases]], [quantize.eval]: titan/schedule.py
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -70,18 +81,24 @@ class LowBitsTrainer(Trainer):
             self.profiling.check()
 
     def train_step(self, data_iterator):
-        """torchtitan's step between the numerics / profiling bookkeeping (see titan/numerics.py).
+        """torchtitan's step between the numerics / profiling bookkeeping (see titan/numerics).
 
-        The random streams are reseeded from (base seed, step) first: the quantized layers' stochastic
-        rounding stream (nn/rng.py) and the global RNG (dropout, if a model has any). A resumed run then draws
-        the same numbers as an uninterrupted one, with no RNG state to checkpoint and under any resharding.
+        The global RNG (dropout, if a model has any) is reseeded from (base seed, step) first, and every
+        microbatch sets the quantized layers' stochastic-rounding key from (base seed, step, microbatch,
+        rank) (nn/rng.py). A resumed run then draws the same numbers as an uninterrupted one, with no RNG
+        state to checkpoint, compiled or eager.
         """
-        seed = step_seed(self._rng_base_seed, self.step)
-        torch.manual_seed(seed)
-        layer_rng.set_step_seed(seed)
+        torch.manual_seed(step_seed(self._rng_base_seed, self.step))
+        self._microbatch = 0
+        self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
         with extras_for(self).step(self.step):
             super().train_step(data_iterator)
+        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/comm.py)
 
     def forward_backward_step(self, **kwargs):
-        """torchtitan's microbatch, then the loss / gradient / operand NaN checks and their policy."""
+        """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM
+        operands and their policy. Under PP the schedule's microbatches share one key."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        layer_rng.set_step_key(microbatch_key(self._rng_base_seed, self.step, self._microbatch, rank))
+        self._microbatch += 1
         return extras_for(self).after_microbatch(super().forward_backward_step(**kwargs))

@@ -152,3 +152,18 @@ def test_launcher_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
     ]
     assert "Traceback" not in p.stderr
     assert not (Path(REPO) / "outputs" / "debug_model" / "bad").exists()
+
+
+def test_unknown_dataset_name_is_refused_before_any_rank(tmp_path):
+    path = write_toml(tmp_path / "d.toml", dataloader={"dataset": "c5"})
+    with pytest.raises(ConfigError, match=r"^dataloader.dataset = 'c5': expected one of c4, .*lbt_markov"):
+        build_config(["--config-file", str(path)])
+
+
+def test_resolved_files_replace_the_previous_ones_whole(tmp_path):
+    # Written through a temporary name and a rename: no half file, no leftover temporary.
+    cfg = build_config(["--config-file", str(DEBUG_TOML), "--training.steps", "7"])
+    save_resolved(cfg, tmp_path, ["a"])
+    save_resolved(cfg, tmp_path, ["b"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["command.txt", "config.json", "config.toml"]
+    assert (tmp_path / "command.txt").read_text() == "b\n"

@@ -103,3 +103,78 @@ def test_presets_load_and_validate(path):
     assert plans["lm_head"].is_high_precision
     quantized = [f for f, p in plans.items() if not p.is_high_precision]
     assert (len(quantized) == 0) == (config.quantize.recipe == "bf16")
+
+
+def _plan_table(run) -> str:
+    return (run.folder / "precision_plan.txt").read_text()
+
+
+def _row_modules(table: str) -> set[str]:
+    return {
+        m
+        for m in ("QuantLinear", "torchao Float8Linear", "torchao MXFP8Linear", "torchtitan Float8Linear")
+        if m in table
+    }
+
+
+MIXED_RULES = [
+    {"layers": ["layers.0.*"], "roles": ["dgrad.grad_output"], "rounding": "stochastic"},  # ours: SR
+    {"layers": ["layers.1.*"], "format": "e4m3", "scaling": "block", "block_size": 32, "scale_format": "e8m0", "scale_rounding": "rceil"},  # mxfp8
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_mixed_torchao_and_emulated_layers_train(tmp_path):
+    cfg = _config(tmp_path, "fp8_rowwise", backend="torchao", rules=MIXED_RULES)
+    run = train(tmp_path, "--training.steps", "4", "--checkpoint.no-enable", config=cfg)
+    assert sorted(run.losses) == [1, 2, 3, 4] and run.losses[4] < run.losses[1] - 0.2, run.losses
+    table = _plan_table(run)
+    assert _row_modules(table) == {"QuantLinear", "torchao Float8Linear", "torchao MXFP8Linear"}, table
+    assert "torchao_emulated" in table and " emulate" in table
+
+
+@pytest.mark.slow
+def test_fsdp2_fp8_all_gather_through_torchao(tmp_path):
+    options = {"enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True}
+    cfg = _config(tmp_path, "fp8_tensorwise", backend="torchao", torchao=options, rules=MIXED_RULES[:1])
+    fsdp = ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.no-enable")
+    run = train(tmp_path, "--training.steps", "3", *fsdp, nproc=2, config=cfg)
+    assert sorted(run.losses) == [1, 2, 3] and run.losses[3] < run.losses[1] - 0.1, run.losses
+    # 5 linears x 5 blocks go to torchao (block 0 is ours: stochastic rounding); their weights travel in fp8.
+    assert "torchao: FSDP2 all-gathers 25 weights in fp8" in run.log
+
+
+@pytest.mark.slow
+def test_base_with_torchtitan_converters_works_with_quantize(tmp_path):
+    # Was refused: "quantize.skip: 'lm_head' matches no linear layer; layers are " (issue 11).
+    base = ("--job.base", "tests.titan.converted_base:debugmodel_float8_attention_only")
+    run = train(
+        tmp_path, *base, "--training.steps", "3", "--checkpoint.no-enable", config=_config(tmp_path, "mxfp8")
+    )
+    assert run.losses[3] < run.losses[1], run.losses
+    table = _plan_table(run)
+    assert _row_modules(table) == {"torchtitan Float8Linear", "QuantLinear"}, table
+    row = next(line for line in table.splitlines() if "attention.qkv_linear.wqkv" in line)
+    assert "torchtitan Float8Linear (tensorwise, emulate)" in row and row.split()[-1] == "torchtitan"
+
+
+@pytest.mark.parametrize(
+    ("preset", "gpu", "want"),
+    [
+        ("llama3_8b_fp8_rowwise", (9, 0), "torchao"),
+        ("llama3_8b_fp8_rowwise", (8, 0), "emulate"),
+        ("llama3_8b_mxfp8", (10, 0), "torchao"),
+        ("llama3_8b_mxfp8", (9, 0), "emulate"),
+    ],
+)
+def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, want):
+    from low_bits_training.config.backends import Hardware, gemm_backend
+    from low_bits_training.titan.configure import load_config
+    from low_bits_training.titan.quantize import plan_on
+
+    config = load_config(REPO / "train_configs" / f"{preset}.toml", [])
+    assert config.compile.enable and "model" in config.compile.components
+    assert config.quantize.backend == "auto"
+    plans = plan_on(config, Hardware("cuda", gpu))
+    backends = {gemm_backend(p, "forward") for f, p in plans.items() if f != "lm_head"}
+    assert backends == {want} and gemm_backend(plans["lm_head"], "forward") == "high"

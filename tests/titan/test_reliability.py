@@ -2,6 +2,7 @@
 are refused with the reason; same seed, same losses."""
 
 import json
+import math
 import os
 import random
 import shutil
@@ -41,9 +42,9 @@ def reference(tmp_path_factory, cfg):
 def _kill_when(folder: Path, cfg: Path, ready, timeout: float = 300.0) -> None:
     # Start training and SIGKILL every process of it the moment ready(folder) holds.
     p = subprocess.Popen(
-        train_command(folder, *ARGS, config=cfg),
+        train_command(folder, *ARGS),
         cwd=REPO,
-        env=train_env(),
+        env=train_env(config=cfg),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -146,7 +147,7 @@ def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, cfg, reference)
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     run = train(tmp_path, *ARGS, config=cfg, check=False)
-    assert run.returncode != 0
+    assert run.returncode == 4  # refused by the launcher, before any rank started
     assert f"checkpoint {folder}/checkpoint/step-4 is damaged: {victim.name} has" in run.log
     assert not any("step:  5" in ln for ln in run.log.splitlines())  # nothing trained on a damaged state
 
@@ -156,15 +157,45 @@ def test_checkpoint_of_another_model_is_refused_with_the_reason(tmp_path, cfg, r
     run = train(
         tmp_path, *ARGS, "--job.base", "low_bits_training.titan.bases:llama3_tiny", config=cfg, check=False
     )
-    assert run.returncode != 0
+    assert run.returncode == 4
     assert "belongs to another run shape (model." in run.log and "checkpoint has" in run.log
 
 
 def test_checkpoint_of_another_plan_is_refused_with_the_reason(tmp_path, cfg, reference):
     _resume_copy(reference, tmp_path, 4)
     run = train(tmp_path, *ARGS, "--quantize.recipe", "fp8_rowwise", config=cfg, check=False)
-    assert run.returncode != 0
+    assert run.returncode == 4
     assert (
         "belongs to another run shape (quantize.recipe: checkpoint has 'mxfp8', this run has 'fp8_rowwise')"
         in run.log
     )
+
+
+def test_a_checkpoint_the_ranks_cannot_load_is_one_line_and_exit_code_4(tmp_path, cfg, reference):
+    # Checks off (launcher and ranks): DCP itself fails on the truncated file inside the ranks' load; the
+    # launcher prints rank 0's one line and exits 4, with no torchrun traceback.
+    folder = _resume_copy(reference, tmp_path, 4)
+    victim = max((folder / "checkpoint" / "step-4").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    run = train(tmp_path, *ARGS, "--checkpoint.no-verify_on_load", config=cfg, check=False)
+    assert run.returncode == 4, run.log[-3000:]
+    last = run.log.strip().splitlines()[-1]
+    assert last.startswith(
+        f"low-bits-training: checkpoint refused: checkpoint in {folder}/checkpoint cannot be loaded:"
+    )
+    assert "ChildFailedError" not in run.log
+
+
+def test_resharded_resume_says_the_data_restarts(tmp_path, cfg, reference):
+    # 1 rank wrote step 4; 2 ranks resume it. torchtitan cannot move the data position to 2 ranks: without
+    # excluding it the launcher refuses (tests/test_bad_input.py), with it the run says at start that the
+    # data restarts, then trains steps 5-6 from the resharded model and optimizer state.
+    _resume_copy(reference, tmp_path, 4)
+    run = train(tmp_path, *ARGS, "--checkpoint.exclude_from_loading", "dataloader", config=cfg, nproc=2)
+    notice = (
+        "(written by 1 data-parallel rank(s), checkpoint.exclude_from_loading has 'dataloader'): the data "
+    )
+    assert notice + "restarts from the first batch" in run.log
+    assert "Training starts at step 5" in run.log
+    assert sorted(run.losses) == [5, 6] and all(math.isfinite(v) for v in run.losses.values())

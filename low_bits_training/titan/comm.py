@@ -1,0 +1,246 @@
+"""``[quantize.comm]`` in torchtitan: FSDP2's weight all-gather and gradient reduce-scatter in low-bit formats.
+
+FSDP2 (torch 2.14) lets a module replace the collective of its parameter group
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``): the comm object gets the flat input
+buffer (this rank's shards of every parameter of the group, one after another, each padded to
+``padded_sharded_param_size``) and the output buffer. ``WireAllGather`` and ``WireReduceScatter`` quantize
+the payload there, segment by segment, as the sender of a low-bit wire would, and then run the ordinary
+collective on the dequantized values; the result is what the receiver of the low-bit wire computes:
+
+- all-gather (quantize before gather, ZeRO++ qwZ): each rank casts its weight shard (2-D view (rows, last
+  dim), rows split across ranks; tensor scales take the all-reduced amax, ``nn.cast``), so the gathered
+  weight equals ``fake_quantize`` of the full weight, in FSDP2's param dtype (exact where that dtype holds
+  the values: fp32, or bf16 with power-of-two scales). Gradients pass straight through.
+- reduce-scatter (ZeRO++ qgZ, MS-AMP): each rank casts its contribution to every destination shard (one
+  scale per parameter chunk, or blocks along it) with counter-based stochastic rounding keyed by (step,
+  microbatch, rank, parameter); the chunks are summed in FSDP2's reduce dtype.
+
+Bytes: every call adds what this rank receives (codes + scales, ``config.comm.wire_bytes``) and what the
+same collective moves in its own dtype; ``log_comm_bytes`` writes them per step into the metrics
+(``comm/all_gather_bytes``, ``comm/all_gather_bytes_hp``, ``comm/reduce_scatter_bytes``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from low_bits_training.config.comm import CommConfig, wire_bytes, wire_spec
+from low_bits_training.config.tree import ConfigError
+from low_bits_training.formats import QuantSpec, derive_key, fake_quantize
+from low_bits_training.nn import rng
+from low_bits_training.nn.cast import cast
+
+_KEY_MASK = (1 << 62) - 1
+BYTES: dict[str, list[int]] = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
+"""Bytes this rank received since the last ``log_comm_bytes``: collective -> [low-bit wire, own dtype]."""
+
+
+def _key(collective: str, fqn: str) -> torch.Tensor | None:
+    """The stochastic-rounding key of one parameter's payload in this microbatch (None: no step key set)."""
+    step = rng.step_key()
+    if step is None:
+        return None
+    return torch.bitwise_xor(step, torch.tensor(derive_key(collective, fqn) & _KEY_MASK))
+
+
+class _Alloc:
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class WireAllGather(_Alloc, AllGather):
+    """All-gather whose payload is each parameter's shard quantized by its spec (None: as it is)."""
+
+    def __init__(self, params: list[tuple[str, torch.Size, QuantSpec | None]]):
+        self.params = params  # (fqn, padded shard size, spec), in the group's flat order
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        ws, offset, hp_bytes = group.size(), 0, input_tensor.element_size()
+        for fqn, size, spec in self.params:
+            n = size.numel()
+            seg = input_tensor[offset : offset + n]
+            rows = n // size[-1]
+            if spec is not None:
+                view = seg.view(rows, size[-1])  # shard boundaries are row boundaries of this view
+                key = _key("all_gather", fqn) if spec.rounding == "stochastic" else None
+                view.copy_(cast(view, spec, ((0, group),), key, f"all-gather of {fqn}"))
+            amax = 4 if spec is not None and spec.scaling == "tensor" else 0  # the amax all-reduce
+            BYTES["all_gather"][0] += (ws - 1) * (wire_bytes(n, rows, spec, hp_bytes) + amax)
+            BYTES["all_gather"][1] += (ws - 1) * n * hp_bytes
+            offset += n
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class WireReduceScatter(_Alloc, ReduceScatter):
+    """Reduce-scatter whose every (parameter, destination rank) chunk is quantized before the sum."""
+
+    def __init__(self, params: list[tuple[str, int]], spec: QuantSpec):
+        self.params = params  # (fqn, chunk numel), in the group's flat order
+        # One scale per chunk ("tensor") or blocks along it: the chunk is a row of the (ranks, n) view.
+        axis = "axis" if spec.scaling == "tensor" else spec.scaling
+        self.spec = dataclasses.replace(spec, scaling=axis, axis=-1)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        ws, offset, hp_bytes = group.size(), 0, input_tensor.element_size()
+        rows = input_tensor.view(ws, -1)  # row r: this rank's contribution to rank r's shard
+        for fqn, n in self.params:
+            seg = rows[:, offset : offset + n]
+            key = _key("reduce_scatter", fqn) if self.spec.rounding == "stochastic" else None
+            seg.copy_(fake_quantize(seg.to(torch.float32), self.spec, key))
+            BYTES["reduce_scatter"][0] += (ws - 1) * wire_bytes(n, 1, self.spec, hp_bytes)
+            BYTES["reduce_scatter"][1] += (ws - 1) * n * hp_bytes
+            offset += n
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _groups(model: torch.nn.Module):
+    """``(module, fsdp param group, [(fqn, FSDPParam)])`` of every FSDP2 unit with parameters."""
+    names = {id(p): _clean(n) for n, p in model.named_parameters()}
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        for pg in mod._get_fsdp_state()._fsdp_param_groups:  # private: FSDP2 has no public listing
+            yield mod, pg, [(names.get(id(fp.sharded_param), "?"), fp) for fp in pg.fsdp_params]
+
+
+def _check_fits(fqn: str, numel: int, spec: QuantSpec | None, collective: str, what: str) -> None:
+    if spec is not None and spec.scaling in ("block", "tile") and numel % spec.block_size:
+        raise ConfigError(
+            f"quantize.comm.{collective}.block_size = {spec.block_size}: does not divide {what} of {fqn} "
+            f"({numel}); allowed: a block size dividing every parameter shard"
+        )
+
+
+def _all_gather_params(cfg: CommConfig, spec: QuantSpec, params) -> list:
+    out = []
+    for fqn, fp in params:
+        size = fp.padded_sharded_param_size
+        mine = len(size) >= 2 and any(fnmatch.fnmatchcase(fqn, g) for g in cfg.all_gather_params)
+        rows = size.numel() // size[-1]
+        if mine and spec.scaling == "tile":
+            _check_fits(fqn, rows, spec, "all_gather", "the shard rows")
+        _check_fits(fqn, size[-1] if mine else 0, spec, "all_gather", "the last dim")
+        out.append((fqn, size, spec if mine else None))
+    return out
+
+
+def install(model: torch.nn.Module, cfg: CommConfig) -> int:
+    """Give every FSDP2 unit of ``model`` the low-bit collectives ``cfg`` asks for.
+
+    Returns:
+        How many parameter groups got one (0 without FSDP2 sharding).
+
+    Raises:
+        ConfigError: a block size that does not divide a parameter's shard.
+    """
+    ag, rs = wire_spec(cfg.all_gather, "all_gather"), wire_spec(cfg.reduce_scatter, "reduce_scatter")
+    count = 0
+    for mod, pg, params in _groups(model):
+        if pg.mesh_info.shard_mesh_size <= 1:
+            continue
+        torchao_fp8 = any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for _, fp in params)
+        if ag is not None and not torchao_fp8:  # torchao's Float8 weights already all-gather in fp8
+            mod.set_custom_all_gather(WireAllGather(_all_gather_params(cfg, ag, params)))
+        if rs is not None:
+            chunks = [(fqn, fp.padded_sharded_param_size.numel()) for fqn, fp in params]
+            for fqn, n in chunks:
+                _check_fits(fqn, n, rs, "reduce_scatter", "the gradient shard")
+            mod.set_custom_reduce_scatter(WireReduceScatter(chunks, rs))
+        count += 1
+    return count
+
+
+def with_wire_collectives(parallelize_fn, cfg: CommConfig):
+    """Wrap a torchtitan ``parallelize_fn``: after FSDP2 is applied, install the low-bit collectives.
+
+    Raises (when the wrapped function runs):
+        ConfigError: nothing to install (no FSDP2 sharding: ``data_parallel_shard_degree`` = 1).
+    """
+
+    @functools.wraps(parallelize_fn)
+    def wrapped(model, *args, **kwargs):
+        model = parallelize_fn(model, *args, **kwargs)
+        if install(model, cfg) == 0:
+            raise ConfigError(
+                "quantize.comm: FSDP2 shards nothing in this run (data_parallel_shard_degree = 1), so there "
+                "is no all-gather or reduce-scatter to put in a low-bit format; allowed: "
+                "data_parallel_shard_degree > 1, or quantize.comm formats 'high'"
+            )
+        return model
+
+    wrapped.__lbt_wire_collectives__ = True
+    return wrapped
+
+
+def apply_comm(config, plans: dict) -> None:
+    """Check ``[quantize.comm]`` and hook it into the model spec, before any model is built.
+
+    Where the all-gather asks for e4m3 tensorwise and the plan has torchao Float8 layers, all of them
+    tensorwise, torchao's own fp8 all-gather is switched on for them (``quantize.torchao``).
+
+    Args:
+        config: the trainer config.
+        plans: the resolved plan (``titan.quantize.plan_on``).
+
+    Raises:
+        ConfigError: a bad format / scaling, or a parallelism without FSDP2's collectives for it.
+    """
+    cfg = config.quantize.comm
+    ag, rs = wire_spec(cfg.all_gather, "all_gather"), wire_spec(cfg.reduce_scatter, "reduce_scatter")
+    if ag is None and rs is None:
+        return
+    _check_parallelism(config.parallelism, rs is not None)
+    if ag == QuantSpec("e4m3", "tensor") and _all_float8_tensorwise(plans):
+        config.quantize.torchao.enable_fsdp_float8_all_gather = True
+    spec = config.model_spec
+    if not getattr(spec.parallelize_fn, "__lbt_wire_collectives__", False):
+        spec.parallelize_fn = with_wire_collectives(spec.parallelize_fn, cfg)
+
+
+def _all_float8_tensorwise(plans: dict) -> bool:
+    from low_bits_training.nn.torchao_modules import torchao_recipe
+
+    recipes = [torchao_recipe(p) for p in plans.values() if p.backends[0].startswith("torchao")]
+    weights = [r.float8_casts[1][1] for r in recipes if r is not None and r.module == "Float8Linear"]
+    return bool(weights) and all(w == "tensorwise" for w in weights)
+
+
+def _check_parallelism(p, reduce_scatter: bool) -> None:
+    if p.tensor_parallel_degree > 1 or p.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"quantize.comm: tensor_parallel_degree = {p.tensor_parallel_degree}, expert_parallel_degree = "
+            f"{p.expert_parallel_degree}: low-bit collectives are FSDP2's (weights sharded over data "
+            "ranks only); allowed: both 1"
+        )
+    if reduce_scatter and p.data_parallel_replicate_degree > 1:
+        raise ConfigError(
+            f"quantize.comm.reduce_scatter: data_parallel_replicate_degree = {p.data_parallel_replicate_degree}"
+            ": FSDP2 all-reduces replicated gradients with no custom-collective hook in torch 2.14; "
+            "allowed: data_parallel_replicate_degree = 1"
+        )
+
+
+def log_comm_bytes(trainer) -> None:
+    """Write this step's bytes into the metrics (on logging steps) and reset the counters."""
+    got = {k: list(v) for k, v in BYTES.items() if v[1]}
+    for v in BYTES.values():
+        v[0] = v[1] = 0
+    if not got or not trainer.metrics_processor.should_log(trainer.step):
+        return
+    metrics = {}
+    for name, (low, hp) in got.items():
+        metrics[f"comm/{name}_bytes"] = low
+        metrics[f"comm/{name}_bytes_hp"] = hp
+        metrics[f"comm/{name}_ratio"] = low / hp
+    trainer.metrics_processor.logger.log(metrics, trainer.step)

@@ -1,0 +1,236 @@
+"""Every use of a private torchtitan / torch name, in one place (the CPU adapters excepted: ``cpu.py``).
+
+Private names change without notice. Each shim here says which upstream line it answers, and ``UPSTREAM``
+records where that code stood and a digest of its source in the pinned versions (torch 2.14.1, torchtitan
+0.3.0); ``tests/titan/test_compat.py`` fails when upstream changes any of them, so the shim is looked at
+again instead of breaking at run time (the lines are also named in each shim's docstring). The rest of the package calls the shims, never the private names.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One private upstream name we rely on."""
+
+    target: str
+    """``module:qualname``."""
+    line: int
+    """First line of its definition in the pinned version."""
+    digest: str
+    """First 16 hex digits of the sha256 of its source in the pinned version ("" for a flag without source)."""
+    why: str
+    """What we use it for."""
+
+
+UPSTREAM: dict[str, Upstream] = {
+    "config_function": Upstream(
+        "torchtitan.config.manager:ConfigManager._load_config",
+        48,
+        "778f7980bbc26d54",
+        "resolve a base config function by name, exactly as torchtitan's --module/--config do",
+    ),
+    "metrics_rank": Upstream(
+        "torchtitan.components.metrics:_get_metrics_rank",
+        232,
+        "b2011707dbc7e3bc",
+        "the rank that logs metrics (last pipeline stage under PP): our metrics.jsonl is written there",
+    ),
+    "metric_logger": Upstream(
+        "torchtitan.components.metrics:MetricsProcessor._build_metric_logger",
+        365,
+        "2f2ad8ced1ac1e99",
+        "the hook MetricsProcessor builds its loggers in: we add the JSONL logger beside them",
+    ),
+    "checkpoint_save": Upstream(
+        "torchtitan.components.checkpointer.dcp:CheckpointManager._save",
+        379,
+        "141755850802426a",
+        "after a synchronous save: write the checkpoint's manifest",
+    ),
+    "checkpoint_load": Upstream(
+        "torchtitan.components.checkpointer.dcp:CheckpointManager._load",
+        474,
+        "a14a16d11c876ae2",
+        "before a load: verify the manifest; after it: start the run (write its config files)",
+    ),
+    "find_load_step": Upstream(
+        "torchtitan.components.checkpointer.dcp:CheckpointManager._find_load_step",
+        640,
+        "d489b4c990523501",
+        "which step a run resumes from, asked by the launcher before any rank starts",
+    ),
+    "checkpoint_id": Upstream(
+        "torchtitan.components.checkpointer.dcp:CheckpointManager._create_checkpoint_id",
+        686,
+        "46015168fdc76f5d",
+        "the folder of checkpoint step N",
+    ),
+    "profiler_running": Upstream(
+        "torch.autograd.profiler:_is_profiler_enabled",
+        0,
+        "",  # a module-level flag: no source; the test checks what it says inside and outside a profiler
+        "whether a profiler already records (two profilers cannot run at once)",
+    ),
+    "memory_categories": Upstream(
+        "torch.profiler._memory_profiler:_CATEGORY_TO_COLORS",
+        0,
+        "",  # a table: the test compares its keys with memory_categories()
+        "the order of the categories in export_memory_timeline's JSON (we draw the plot ourselves)",
+    ),
+}
+
+
+def resolve(target: str) -> Any:
+    """The object ``module:qualname`` names."""
+    module, _, qualname = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def source_digest(obj: Any) -> tuple[int, str]:
+    """``(first line, first 16 hex digits of the sha256 of its source)`` of a function or class.
+
+    Returns:
+        ``(0, "")`` for objects without source (module-level flags).
+    """
+    try:
+        lines, first = inspect.getsourcelines(obj)
+    except TypeError:
+        return 0, ""
+    return first, hashlib.sha256("".join(lines).encode()).hexdigest()[:16]
+
+
+# --- torchtitan.config.manager ------------------------------------------------------------------------------
+
+
+@functools.cache
+def config_manager():
+    """torchtitan's ConfigManager (made once: it registers torchtitan's tyro rules)."""
+    from torchtitan.config.manager import ConfigManager
+
+    return ConfigManager()
+
+
+def config_function(module: str, fn: str) -> Any:
+    """Call config function ``fn`` of ``module`` as ``--module module --config fn`` would.
+
+    Upstream: config/manager.py ``ConfigManager._load_config`` (line 48) resolves torchtitan's short model
+    names (``llama3``) and dotted modules alike, and has no public form.
+
+    Raises:
+        ValueError, ImportError, TypeError: as upstream raises them (unknown module or function, arguments).
+    """
+    cfg, _ = config_manager()._load_config(["--module", module, "--config", fn])
+    return cfg
+
+
+# --- torchtitan.components.metrics --------------------------------------------------------------------------
+
+
+def metrics_rank(parallel_dims: Any, pp_schedule: str) -> int:
+    """The rank torchtitan logs metrics from (components/metrics.py ``_get_metrics_rank``, line 232)."""
+    from torchtitan.components.metrics import _get_metrics_rank
+
+    return _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule)
+
+
+class MetricLoggerHook:
+    """Mixin before ``MetricsProcessor``: ``wrap_metric_logger`` sees the logger upstream built.
+
+    Upstream: components/metrics.py ``MetricsProcessor._build_metric_logger`` (line 365), called once from
+    ``__init__`` with keyword arguments only.
+    """
+
+    def _build_metric_logger(self, **kwargs: Any) -> Any:
+        return self.wrap_metric_logger(super()._build_metric_logger(**kwargs), **kwargs)
+
+    def wrap_metric_logger(self, inner: Any, **kwargs: Any) -> Any:
+        """Return the logger to use instead of ``inner`` (default: ``inner``)."""
+        return inner
+
+
+# --- torchtitan.components.checkpointer.dcp -----------------------------------------------------------------
+
+
+class CheckpointHooks:
+    """Mixin before ``CheckpointManager``: ``after_save`` / ``before_load`` / ``after_load`` around upstream.
+
+    Upstream: checkpointer/base.py says subclasses override ``_save`` / ``_load`` (dcp.py lines 379 / 474),
+    the hooks its public ``save`` / ``load`` call only when checkpointing is on.
+    """
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        saved = super()._save(curr_step, last_step)
+        if saved:
+            self.after_save(curr_step)
+        return saved
+
+    def _load(self, step: int = -1) -> bool:
+        try:
+            self.before_load(step)
+            loaded = super()._load(step)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            raise self.load_error(e) from e
+        self.after_load(loaded)
+        return loaded
+
+    def after_save(self, step: int) -> None:
+        """Called after a save of ``step`` returned."""
+
+    def before_load(self, step: int) -> None:
+        """Called before upstream loads ``step`` (-1: the latest)."""
+
+    def after_load(self, loaded: bool) -> None:
+        """Called after upstream's load returned (``loaded``: a checkpoint was read)."""
+
+    def load_error(self, error: BaseException) -> BaseException:
+        """The exception to raise instead of ``error`` from ``before_load`` or upstream's load."""
+        return error
+
+
+def find_load_step(folder: str) -> int:
+    """The step a run with checkpoint folder ``folder`` resumes from (-1: none), as torchtitan picks it.
+
+    Upstream: checkpointer/dcp.py ``CheckpointManager._find_load_step`` (line 640): the highest ``step-N``
+    holding ``.metadata`` (or an HF index). It reads ``self`` only when no folder is given.
+    """
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    return CheckpointManager._find_load_step(None, folder)  # type: ignore[arg-type]
+
+
+def checkpoint_path(folder: str, step: int) -> str:
+    """The folder of checkpoint ``step`` (checkpointer/dcp.py ``_create_checkpoint_id``, line 686)."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    return CheckpointManager._create_checkpoint_id(None, step, folder)  # type: ignore[arg-type]
+
+
+# --- torch.autograd.profiler --------------------------------------------------------------------------------
+
+
+def profiler_running() -> bool:
+    """True while a torch profiler records (torch/autograd/profiler.py ``_is_profiler_enabled``)."""
+    import torch
+
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def memory_categories() -> tuple[str, ...]:
+    """Names of the memory categories in the order ``export_memory_timeline``'s JSON holds them (after a
+    leading 0 column): torch/profiler/_memory_profiler.py ``_CATEGORY_TO_COLORS`` (line 47)."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_COLORS
+
+    return tuple("unknown" if c is None else c.name.lower() for c in _CATEGORY_TO_COLORS)

@@ -1,0 +1,170 @@
+"""The launcher: torchrun with the whole config checked first, and one line and a meaningful exit code last.
+
+    python -m low_bits_training.titan.launcher [torchrun options] -- [training arguments]
+
+``run_llama_train.sh``, ``scripts/slurm/train.sbatch`` and ``lbt-sweep`` / ``lbt-scaling`` start training
+through it. In this process, before any rank starts:
+
+- the config is resolved exactly as each rank will resolve it (``launch.build_config``) and checked as a whole
+  (``validate.check_run``: value ranges, parallel degrees against NGPU x nodes, the model's own checks, the
+  checkpoint it would resume from). Bad input is one line, exit code 2 (4 for a checkpoint), no traceback,
+  and nothing is written to the run folder;
+- then torchrun runs in this same process (no second interpreter start). A rank that ends on purpose
+  (``launch.exit_codes``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
+  torchrun's error file; it is printed here once, and this process exits with that rank's code. A crash keeps
+  its traceback (from the rank) and ends with exit code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+
+from low_bits_training.titan.launch import UNDER_LAUNCHER
+
+WORKER = "low_bits_training.titan.launch"
+_AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``[torchrun options] -- [training arguments]`` -> the two lists (no ``--``: all training arguments)."""
+    if "--" not in argv:
+        return [], list(argv)
+    i = argv.index("--")
+    return list(argv[:i]), list(argv[i + 1 :])
+
+
+def torchrun_args(options: list[str], training: list[str]):
+    """torchrun's own parse of ``options`` with this package's rank entry point and ``training``."""
+    from torch.distributed.run import parse_args
+
+    return parse_args([*options, "-m", WORKER, *training])
+
+
+def world_size(args) -> int:
+    """Processes of the run: (most) nodes x processes per node, as torchrun will start them."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    return max_nodes * determine_local_world_size(args.nproc_per_node)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Hold back log records and Python warnings below ERROR while the config is checked here: the ranks
+    log the same ones again, and bad input must end in exactly one line."""
+    loggers = [logging.getLogger(), logging.getLogger("torch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def check(training: list[str], processes: int) -> None:
+    """Resolve and check the whole config in this process (see the module docstring).
+
+    Raises:
+        ConfigError, CheckpointError: one line each; ``SystemExit`` for ``--help`` (tyro prints it).
+    """
+    from low_bits_training.titan import cpu
+
+    if cpu.needs_cpu_adapters():
+        cpu.install_device_module()
+    from low_bits_training.titan.launch import build_config
+    from low_bits_training.titan.validate import check_run
+
+    with quiet():
+        config = build_config(training)
+        check_run(config, processes)
+
+
+class _HoldBack(logging.Filter):
+    """Keeps torchrun's agent lines about a failed rank ("failed (exitcode: 3)", "closing signal") until we
+    know whether the failure was one of ours (then its one line says it all) or a crash (then they are
+    shown)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if record.levelno >= logging.WARNING and ("exitcode" in msg or "closing signal" in msg):
+            self.held.append(record)
+            return False
+        return True
+
+
+def chosen_failure(failures: dict) -> tuple[int, str] | None:
+    """The exit code and line of the failure to report: rank 0's if it ended on purpose, else the lowest
+    rank that did (None: no rank ended on purpose, a crash)."""
+    from low_bits_training.titan.launch import exit_codes
+
+    ours = {code for _, code, _ in exit_codes()}
+    for _, failure in sorted(failures.items()):
+        if failure.exitcode in ours:
+            return failure.exitcode, failure.message
+    return None
+
+
+def run_torchrun(args) -> int:
+    """torchrun in this process; a failed rank becomes its one line and exit code (see ``chosen_failure``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    os.environ[UNDER_LAUNCHER] = "1"  # the ranks inherit it: errors go to the error file
+    hold = _HoldBack()
+    agent = logging.getLogger(_AGENT_LOGGER)
+    agent.addFilter(hold)
+    try:
+        run(args)
+        return 0
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        agent.removeFilter(hold)
+        chosen = chosen_failure(e.failures)
+        if chosen is not None:
+            print(chosen[1], file=sys.stderr, flush=True)
+            return chosen[0]
+        for record in hold.held:
+            agent.handle(record)
+        rank, first = min(e.failures.items())
+        print(f"low-bits-training: rank {rank} failed (exit code {first.exitcode}); see its output above",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    finally:
+        agent.removeFilter(hold)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the config, then run torchrun; returns the exit code (0, 2 config, 3 non-finite stop, 4
+    checkpoint, 1 crash, 128 + N for signal N)."""
+    from low_bits_training.titan.launch import classify
+
+    options, training = split_argv(sys.argv[1:] if argv is None else argv)
+    args = torchrun_args(options, training)
+    try:
+        check(training, world_size(args))
+    except Exception as e:
+        known = classify(e)  # ConfigError 2, CheckpointError 4
+        if known is None:
+            raise
+        print(known[1], file=sys.stderr)
+        return known[0]
+    return run_torchrun(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Mixture-of-experts inside the precision plan: the grouped-experts converter and a CPU-sized Qwen3-MoE base.
+
+torchtitan 0.3's MoE layers keep their routed experts in one ``GroupedExperts`` module
+(``layers.N.moe.routed_experts.inner_experts``) with three stacked weights ``w1_EFD``, ``w2_EDF``,
+``w3_EFD``; each is a grouped matmul over the expert-sorted tokens. The plan names them
+``<experts fqn>.w1`` / ``.w2`` / ``.w3`` and gives each the six roles of a linear layer, per expert
+(``nn.grouped``), so rules and ``skip`` select them by glob like linear layers (``*.inner_experts.*``).
+
+``convert_experts`` swaps the quantized ``GroupedExperts.Config`` entries before the model is built:
+- emulation (any device): ``TitanQuantGroupedExperts``; where a role blocks along the token dim, the token
+  dispatcher becomes ``PaddedTokenDispatcher``, which zero-pads each expert's token group to
+  ``nn.grouped.pad_multiple`` (torchtitan's MXFP8 MoE converter does the same with torchao's
+  ``permute_and_pad``, whose index kernel is triton-only);
+- a non-emulate backend whose plan is a torchao grouped recipe (MXFP8 RCEIL, with or without a
+  high-precision wgrad, on SM100; fp8 rowwise on SM89) on hardware that has it: torchtitan's own
+  ``MXFP8GroupedExperts`` / ``Float8GroupedExperts`` and its padding dispatcher (not run here: no GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
+from torchtitan.protocols.module import Module
+from torchtitan.trainer import Trainer
+
+from low_bits_training.config.plan import LayerShape
+from low_bits_training.config.recipes import recipe_specs
+from low_bits_training.config.tree import ConfigError
+from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
+
+WEIGHTS = ("w1", "w2", "w3")
+"""The plan's names of the three stacked expert weights (``<experts fqn>.w1`` ...)."""
+_PARAMS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
+
+
+def pad_token_groups(
+    x: torch.Tensor, counts: torch.Tensor, ranks: int, experts: int, multiple: int
+) -> tuple[torch.Size, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reorder rank-major token segments to expert-major and zero-pad each expert's group to ``multiple``.
+
+    torchao's ``permute_and_pad`` (what torchtitan's ``TorchAOTokenDispatcher`` calls) in plain torch ops
+    with static shapes (its index kernel is triton-only): the output has ``round_up(R + experts *
+    multiple, multiple)`` rows whatever the routing, so torch.compile sees one shape. An expert with no
+    tokens still gets ``multiple`` zero rows (as in torchao).
+
+    Args:
+        x: (R, D) tokens, segment (rank r, expert j) at the rank-major position of ``counts``.
+        counts: (ranks * experts,) tokens per (rank, local expert), rank-major.
+        ranks: expert-parallel ranks the segments came from (1 without EP).
+        experts: local experts.
+        multiple: row multiple of every expert group.
+
+    Returns:
+        ``(shape, padded, indices, sizes)``: the shape of x with one zero row appended, the (L, D) padded
+        tokens, the (L,) row of that extended x each output row came from (R: the zero row), and the
+        (experts,) int32 padded group sizes.
+    """
+    n = x.shape[0]
+    length = -(-(n + experts * multiple) // multiple) * multiple
+    c = counts.view(ranks, experts).to(torch.int64)
+    start = (counts.cumsum(0) - counts).view(ranks, experts)  # input row of segment (r, j)
+    total = c.sum(0)
+    sizes = -(-total.clamp_min(multiple) // multiple) * multiple
+    ends = sizes.cumsum(0)
+    p = torch.arange(length, device=x.device)
+    j = torch.searchsorted(ends, p, right=True).clamp_max(experts - 1)
+    q = p - (ends - sizes)[j]  # position inside expert j's group
+    cum = c.cumsum(0).t()  # (experts, ranks): tokens of expert j from ranks 0..r
+    r = (cum[j] <= q[:, None]).sum(1).clamp_max(ranks - 1)
+    src = start[r, j] + q - (cum[j, r] - c.t()[j, r])
+    real = (p < ends[-1]) & (q < total[j])
+    idx = torch.where(real, src, n)
+    xe = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return xe.shape, xe[idx], idx, sizes.to(torch.int32)
+
+
+class PaddedTokenDispatcher(TorchAOTokenDispatcher):
+    """torchtitan's padding dispatcher (``TorchAOTokenDispatcher``) with ``pad_token_groups`` as its permute:
+    no triton, static shapes, EP all-to-all inherited."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TorchAOTokenDispatcher.Config):
+        pass
+
+    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+        ranks = self.ep_mesh.size() if self.ep_mesh is not None else 1
+        experts = num_global_tokens_per_local_expert_E.shape[0] // ranks
+        shape, x, idx, sizes = pad_token_groups(
+            routed_input_RD, num_global_tokens_per_local_expert_E, ranks, experts, self.pad_multiple
+        )
+        return shape, x, idx, sizes
+
+
+class TitanExpertWeightState(GroupedQuantState, Module):
+    """``GroupedQuantState`` under torchtitan's Module protocol: its buffers are (re)made in
+    ``init_states``, after the model left the meta device."""
+
+    def __init__(self, plan: LinearPlan, name: str):
+        GroupedQuantState.__init__(self, plan, name)
+        self._name = name
+
+    def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
+        self.init_state_buffers(
+            buffer_device if buffer_device is not None else self.lbt_key.device, self._name
+        )
+
+
+class TitanQuantGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` whose three grouped matmuls follow the plan (``nn.grouped.grouped_linear``).
+
+    Parameters and state_dict keys are ``GroupedExperts``'s; the plan and the key / probe buffers of each
+    weight live in a parameter-free child named like the plan entry (``w1``, ``w2``, ``w3``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        plans: dict[str, LinearPlan] = field(default_factory=dict)
+        """Plan of each stacked weight: ``{"w1": ..., "w2": ..., "w3": ...}``."""
+        fqn: str = ""
+        """The experts module's FQN (keys each weight's stochastic-rounding stream)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        for name in WEIGHTS:
+            plan = config.plans.get(name, LinearPlan())
+            self.add_module(name, TitanExpertWeightState(plan, f"{config.fqn}.{name}"))
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+
+        def mm(x: torch.Tensor, name: str) -> torch.Tensor:
+            w = getattr(self, _PARAMS[name])
+            w = w.to_local() if isinstance(w, DTensor) else w  # as GroupedExperts.forward does
+            st = getattr(self, name)
+            return grouped_linear(x, w, offs, st.plan, st.state)
+
+        h = F.silu(mm(x_RD, "w1")) * mm(x_RD, "w3")
+        return mm(h, "w2").type_as(x_RD)
+
+
+def expert_layers(model_config, tp: int = 1) -> dict[str, LayerShape]:
+    """The plan entries of every experts module: ``<fqn>.w1/.w2/.w3`` -> shape of one expert's weight.
+
+    The token multiple is 0: the dispatcher pads each expert's tokens to whatever the plan's blocks need.
+    """
+    out = {}
+    for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
+        d, h = cfg.dim, cfg.hidden_dim
+        for name, (k, n) in zip(WEIGHTS, ((d, h), (h, d), (d, h)), strict=True):
+            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp)
+    return out
+
+
+def expert_plans(model_config) -> dict[str, tuple[LinearPlan, str]]:
+    """Every expert weight's plan as it stands in the model config tree, and the module that runs it
+    (``GroupedExperts``, ``QuantGroupedExperts`` or torchtitan's torchao class)."""
+    out = {}
+    for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
+        plans = getattr(cfg, "plans", {})
+        label = "QuantGroupedExperts" if plans else type(cfg).__qualname__.split(".")[0]
+        if type(cfg).__module__.startswith("torchtitan.components."):
+            label = f"torchtitan {label}"
+        out.update({f"{fqn}.{n}": (plans.get(n, LinearPlan()), label) for n in WEIGHTS})
+    return out
+
+
+def _torchao_kernel(plans: dict[str, LinearPlan], device: str) -> str | None:
+    """The torchao grouped recipe these plans are, if the device runs it: mxfp8_rceil[_wgrad_with_hp] or
+    fp8_rowwise (None: emulate)."""
+    specs = {p.specs for p in plans.values()}
+    if len(specs) != 1 or device != "cuda" or not torch.cuda.is_available():
+        return None
+    (s,) = specs
+    cap = torch.cuda.get_device_capability()
+    mx, mx_hp = LinearPlan.from_roles(recipe_specs("mxfp8")).specs, _hp_wgrad("mxfp8")
+    if cap >= (10, 0) and s in (mx, mx_hp):
+        return "mxfp8_rceil" if s == mx else "mxfp8_rceil_wgrad_with_hp"
+    if cap >= (8, 9) and s == LinearPlan.from_roles(recipe_specs("fp8_rowwise")).specs:
+        return "fp8_rowwise"
+    return None
+
+
+def _hp_wgrad(recipe: str) -> tuple:
+    specs = recipe_specs(recipe)
+    specs["wgrad.grad_output"] = specs["wgrad.input"] = None
+    return LinearPlan.from_roles(specs).specs
+
+
+def _torchao_config(cfg, kernel: str, parent):
+    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
+    from torchtitan.components.quantization.mx import _get_mxfp8_grouped_experts_cls
+    from torchtitan.components.quantization.utils import swap_token_dispatcher
+
+    swap_token_dispatcher(parent, 16 if kernel == "fp8_rowwise" else 32)  # their kernels' alignment
+    base = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    if kernel == "fp8_rowwise":
+        return _get_float8_grouped_experts_cls(type(cfg)._owner).Config(**base)
+    return _get_mxfp8_grouped_experts_cls(type(cfg)._owner).Config(**base, recipe_name=kernel)
+
+
+def _emulated_config(cfg, fqn: str, plans: dict[str, LinearPlan], parent):
+    multiple = math.lcm(*(pad_multiple(p) for p in plans.values()))
+    old = parent.token_dispatcher
+    if multiple > 1:
+        parent.token_dispatcher = PaddedTokenDispatcher.Config(
+            num_experts=old.num_experts, top_k=old.top_k, pad_multiple=multiple
+        )
+    base = {f.name: getattr(cfg, f.name) for f in fields(GroupedExperts.Config)}
+    return TitanQuantGroupedExperts.Config(**base, plans=plans, fqn=fqn)
+
+
+def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism, device: str | None = None):
+    """Swap every experts module the plan quantizes, in place (see the module docstring).
+
+    Args:
+        model_config: the model config tree.
+        plans: the resolved plan (``<experts fqn>.w1`` ... entries from ``expert_layers``).
+        parallelism: ``config.parallelism``.
+        device: "cuda" or "cpu" (default: this machine's).
+
+    Raises:
+        ConfigError: a non-emulate backend for experts that no torchao grouped kernel runs here, or
+            emulated quantized experts under expert or tensor parallelism.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        mine = {n: plans[f"{fqn}.{n}"] for n in WEIGHTS}
+        if all(p.is_high_precision for p in mine.values()):
+            continue
+        wants_kernel = any(b != "emulate" for p in mine.values() for b in p.backends)
+        kernel = _torchao_kernel(mine, device) if wants_kernel else None
+        if kernel is not None:
+            new = _torchao_config(cfg, kernel, parent)
+        elif any(b == "real" for p in mine.values() for b in p.backends):
+            raise ConfigError(
+                f"quantize.backend = 'real': {fqn} has no real grouped-GEMM kernel on {device} (torchao has "
+                "MXFP8 RCEIL on SM100 and fp8 rowwise on SM89, with one plan for w1/w2/w3); allowed: "
+                "'emulate', 'auto'"
+            )
+        else:
+            _check_parallelism(fqn, parallelism)
+            new = _emulated_config(cfg, fqn, mine, parent)
+        setattr(parent, attr, new)
+
+
+def _check_parallelism(fqn: str, parallelism) -> None:
+    for key in ("expert_parallel_degree", "tensor_parallel_degree"):
+        if getattr(parallelism, key, 1) > 1:
+            raise ConfigError(
+                f"parallelism.{key} = {getattr(parallelism, key)}: emulated quantized experts ({fqn}) run "
+                "with data parallelism (FSDP2) only; set it to 1 or keep the experts in high precision "
+                "(quantize.skip)"
+            )
+
+
+def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):
+    # torchtitan's own builders (models/qwen3/__init__.py) at a size that trains on a laptop CPU.
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    head_dim = 32
+    return Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=_qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=dim // head_dim,
+            n_kv_heads=dim // head_dim // 2,
+            head_dim=head_dim,
+            moe_hidden_dim=hidden,
+            num_experts=experts,
+            top_k=top_k,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+        ),
+    )
+
+
+def qwen3_moe_tiny() -> Trainer.Config:
+    """torchtitan's Qwen3-MoE debug recipe on a 4-layer model: dim 128, 8 experts (top 2) of hidden 128.
+
+    torchtitan's ``debugmodel_moe`` (8 layers, 64 experts, top 8, hidden 768) takes seconds per step on a
+    CPU; this one keeps every part of the MoE (router, load-balancing bias, grouped experts, dispatcher).
+    """
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = qwen3_moe_debug()
+    config.model_spec.model = _tiny_moe_model(4, 128, 8, 2, 128, 2048)
+    config.model_spec.flavor = "tiny_moe"
+    config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
+    return config

@@ -1,0 +1,105 @@
+"""What happens around torchtitan's step: the numerics monitor, the non-finite policy, its exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+from torchtitan.tools.logging import logger
+
+from low_bits_training.numerics import NonFinite
+
+from .monitor import NumericsMonitor
+
+NONFINITE_EXIT_CODE = 3
+"""Exit code of a run ended by ``[numerics] nonfinite = "stop"``."""
+
+
+class NonFiniteError(RuntimeError):
+    """Raised on every rank by the "stop" policy; the message is the one line for the user."""
+
+
+def warn(event: NonFinite) -> None:
+    """Log the one-line location of a non-finite value."""
+    logger.warning(f"low-bits-training: {event.message()}")
+
+
+class TrainerExtras:
+    """What ``LowBitsTrainer`` adds around torchtitan's step: numerics statistics, the NaN policy, profiling."""
+
+    def __init__(self, trainer):
+        cfg = trainer.config
+        self.trainer, self.cfg = trainer, cfg.numerics
+        self.monitor = NumericsMonitor(cfg.numerics, trainer.model_parts, cfg.dump_folder)
+        if cfg.numerics.nonfinite == "skip":
+            trainer.optimizers.register_step_pre_hook(self._maybe_drop_grads)
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around one training step: probes on/off, then reduce + log the statistics; the profiling extras."""
+        from low_bits_training.titan.profiling import step_context
+
+        self.monitor.begin_step(step)
+        with step_context(self.trainer.config.profiling, self.trainer.config.dump_folder, step):
+            yield
+        self.monitor.flush(getattr(self.trainer.metrics_processor, "logger", None))
+
+    def after_microbatch(self, loss: torch.Tensor) -> torch.Tensor:
+        """Apply the policy to this microbatch's first non-finite value, if any; returns the loss to log."""
+        event = self.monitor.after_microbatch(loss)
+        if event is None:
+            return loss
+        warn(event)
+        if self.cfg.nonfinite == "stop":
+            self._stop(event)
+        if self.cfg.nonfinite == "skip":
+            self.monitor.skip = True
+            return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)  # torchtitan raises on a NaN loss
+        return loss
+
+    def _maybe_drop_grads(self, *_args) -> None:
+        # Optimizer step pre-hook: parameters without a gradient are left alone by the optimizer (no
+        # moment update, no weight decay), so dropping every gradient skips the step exactly.
+        if self.monitor.skip:
+            logger.warning(
+                f"low-bits-training: optimizer step {self.monitor.step} skipped (numerics.nonfinite)"
+            )
+            for _, p in self.monitor.params:
+                p.grad = None
+
+    def _stop(self, event: NonFinite) -> None:
+        """Keep the last good state (the weights before this step's update) and raise ``NonFiniteError``."""
+        t, good = self.trainer, event.step - 1
+        ckpt = t.checkpointer
+        if getattr(ckpt, "enable", False) and good >= 1 and good % ckpt.interval:
+            t.step = good  # the checkpoint's "step" must name the state it holds
+            try:
+                ckpt.save(good, last_step=True)
+                ckpt.maybe_wait_for_saving()
+            finally:
+                t.step = event.step
+        raise NonFiniteError(event.message())
+
+
+def extras_for(trainer) -> TrainerExtras:
+    """The trainer's ``TrainerExtras``, built on first use (after torchtitan built the model)."""
+    extras = trainer.__dict__.get("_lbt_extras")
+    if extras is None:
+        extras = trainer.__dict__["_lbt_extras"] = TrainerExtras(trainer)
+    return extras
+
+
+def exit_on_nonfinite(run, config) -> int:
+    """``run(config)``; a ``NonFiniteError`` becomes its one-line message on stderr and exit code 3.
+
+    Returns:
+        0 after a complete run, ``NONFINITE_EXIT_CODE`` when the "stop" policy ended it.
+    """
+    try:
+        run(config)
+    except NonFiniteError as e:
+        print(f"low-bits-training: stopped: {e}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE
+    return 0

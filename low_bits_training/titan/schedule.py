@@ -1,0 +1,189 @@
+"""Precision schedules in the trainer: the plan each step uses, evaluation's own plan, the compile budget.
+
+The resolved ``config.schedule.Schedule`` is turned into behaviour here:
+
+- ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
+  change every ``QuantLinear`` gets its plan for the new phase (the same ``LinearPlan`` objects each time).
+  A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
+  QuantLinear (``titan.quantize``), so parameters and state_dict keys never change.
+- ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when
+  given) with the probes off, then the training plan comes back.
+- ``raise_recompile_limit``: the plan is a graph constant, so each distinct transformer-block plan compiles
+  its own graph (once; switching back reuses it). The dynamo limit per code object is raised to what the
+  schedule needs, so a long schedule never falls off the compiled path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import torch
+from torchtitan.tools.logging import logger
+
+from low_bits_training.config.backends import detect_hardware
+from low_bits_training.config.schedule import PhasePlan, Schedule, check_switchable, resolve_schedule
+from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, probe
+
+_BLOCK = re.compile(r"^(layers\.\d+)\.")
+
+
+def schedule_on(config, hw=None) -> Schedule:
+    """The resolved schedule of ``config``'s model (before or after ``apply_precision_plan``).
+
+    Raises:
+        ConfigError: see ``config.schedule.resolve_schedule`` and ``check_switchable``.
+    """
+    from low_bits_training.titan.moe import expert_layers
+    from low_bits_training.titan.quantize import converted_linears, layer_shapes
+
+    model = config.model_spec.model
+    hw = hw or detect_hardware()
+    sched = resolve_schedule(
+        config.quantize, layer_shapes(config), config.training.steps, hw, converted_linears(model)
+    )
+    check_switchable(sched, dict.fromkeys(expert_layers(model), "an MoE expert weight"))
+    return sched
+
+
+def phase_title(schedule: Schedule, phase: PhasePlan) -> str:
+    """``quantize.phases[0]: steps 901-1000`` (``quantize.eval: evaluation``)."""
+    if phase.first_step == 0:
+        return f"{phase.label}: evaluation (torchtitan's validator)"
+    return f"{phase.label}: steps {phase.first_step}-{schedule.last_step(phase)}"
+
+
+class PrecisionSchedule:
+    """Switches the quantized layers of ``model_parts`` between the schedule's plans."""
+
+    def __init__(self, schedule: Schedule, layers: list[tuple[str, QuantLinear]]):
+        self.schedule = schedule
+        self.layers = layers
+        self.current: PhasePlan | None = None
+
+    @property
+    def active(self) -> bool:
+        """True when the run uses more than one plan."""
+        return len(self.schedule.all()) > 1
+
+    def _apply(self, plans: dict[str, LinearPlan]) -> None:
+        for fqn, layer in self.layers:
+            layer.plan = plans[fqn]
+
+    def begin_step(self, step: int) -> None:
+        """Give every layer the plan of ``step``'s phase (a no-op inside a phase)."""
+        phase = self.schedule.at(step)
+        if phase is self.current:
+            return
+        if self.current is not None or phase.first_step > 1:
+            logger.info(f"Precision schedule: from step {step}, {phase_title(self.schedule, phase)}")
+        self._apply(phase.plans)
+        self.current = phase
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Evaluation's plan (``[quantize.eval]``, if given) and no probes, for the duration."""
+        mode = probe.mode()
+        probe.set_mode(ProbeMode())
+        if self.schedule.eval is not None:
+            self._apply(self.schedule.eval.plans)
+        try:
+            yield
+        finally:
+            if self.schedule.eval is not None and self.current is not None:
+                self._apply(self.current.plans)
+            probe.set_mode(mode)
+
+
+class EvalPrecision:
+    """torchtitan's validator, run under ``PrecisionSchedule.evaluating`` (everything else passes through)."""
+
+    def __init__(self, validator, schedule: PrecisionSchedule):
+        self._validator, self._schedule = validator, schedule
+
+    def __getattr__(self, name: str):
+        return getattr(self._validator, name)
+
+    def validate(self, model_parts, step: int) -> None:
+        with self._schedule.evaluating():
+            return self._validator.validate(model_parts, step)
+
+
+def block_plans(schedule: Schedule) -> set[tuple]:
+    """The distinct transformer-block plans over every plan of the schedule (each compiles once)."""
+    out = set()
+    for phase in schedule.all():
+        blocks: dict[str, list] = {}
+        for fqn, plan in phase.plans.items():
+            m = _BLOCK.match(fqn)
+            if m:
+                blocks.setdefault(m.group(1), []).append((fqn[m.end() :], plan))
+        out |= {tuple(sorted(v, key=lambda x: x[0])) for v in blocks.values()}
+    return out
+
+
+def raise_recompile_limit(schedule: Schedule, stats: bool) -> int:
+    """Raise dynamo's per-code-object recompile limit to what this schedule needs (never lower it).
+
+    Each distinct block plan compiles one graph per probe mode (statistics on / off) and one more for the
+    validator's no-grad forward; two extra for anything else.
+
+    Returns:
+        The limit now in force.
+    """
+    need = len(block_plans(schedule)) * ((2 if stats else 1) + 1) + 2
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, need)
+    return cfg.recompile_limit
+
+
+def plan_text(config, plans: dict[str, LinearPlan], modules: dict[str, str], folder) -> str:
+    """The plan table: one table, or with a schedule one per phase and the eval plan, each under its title
+    (and ``precision_schedule.json`` written into ``folder``).
+
+    Args:
+        config: the trainer config (after ``apply_precision_plan``).
+        plans, modules: ``titan.quantize.current_plans`` (the plan of step 1, and what each layer builds).
+        folder: the run folder.
+    """
+    import json
+    from pathlib import Path
+
+    from low_bits_training.config.plan_table import format_plan, plan_to_json
+
+    sched = schedule_on(config)
+    if len(sched.all()) == 1:
+        return format_plan(plans, modules)
+    parts, data = [], []
+    for phase in sched.all():
+        merged = {**plans, **phase.plans}  # keeps the linears a base's torchtitan converter swapped
+        parts.append(f"\n== {phase_title(sched, phase)}\n{format_plan(merged, modules)}")
+        last = sched.last_step(phase) if phase.first_step else 0
+        data.append(
+            {
+                "label": phase.label,
+                "first_step": phase.first_step,
+                "last_step": last,
+                "plans": plan_to_json(merged, modules),
+            }
+        )
+    (Path(folder) / "precision_schedule.json").write_text(json.dumps(data, indent=1) + "\n")
+    return "".join(parts)
+
+
+def install(trainer) -> PrecisionSchedule:
+    """Wire the schedule into a built trainer: the plan switcher, the validator's plan, the compile budget.
+
+    Returns:
+        The ``PrecisionSchedule`` whose ``begin_step`` the trainer calls before every step.
+    """
+    from low_bits_training.titan.numerics import quant_layers
+
+    config = trainer.config
+    sched = PrecisionSchedule(schedule_on(config), quant_layers(trainer.model_parts))
+    if getattr(trainer, "validator", None) is not None and config.validator.enable:
+        trainer.validator = EvalPrecision(trainer.validator, sched)
+    if config.compile.enable:
+        raise_recompile_limit(sched.schedule, bool(config.numerics.stats_freq))
+    return sched
