@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/bench_linear.py            # 4096x4096 weight, 8192 tokens (slow on 2 cores)
     .venv/bin/python benchmarks/bench_linear.py --quick    # 1024x1024 weight, 2048 tokens
 
-Prints a markdown table: ms per forward+backward and the ratio to plain fp32 nn.Linear. torchao rows:
-``Float8Linear`` with ``emulate=True`` (tensorwise and rowwise configs) and ``MXFP8Linear`` with
-``KernelPreference.EMULATED`` (the only way either runs on a CPU).
+Prints a markdown table: ms per forward+backward and the ratio to plain fp32 nn.Linear. torchao rows are the
+torchao backend's modules (``nn.torchao_modules.torchao_linear``) in torchao's emulated modes (Float8Linear
+``emulate=True``, MXFP8 ``KernelPreference.EMULATED``: the only way either runs on a CPU). GPU: bench_gpu.py.
 """
 
 from __future__ import annotations
@@ -33,48 +33,25 @@ def _time(mod: nn.Module, x: torch.Tensor, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _torchao_float8(lin: nn.Linear, recipe: str) -> nn.Module:
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
+def _torchao(lin: nn.Linear, recipe: str) -> nn.Module:
+    # The torchao backend's own module builder (nn.torchao_modules), in torchao's emulated mode.
+    from low_bits_training.nn.torchao_modules import torchao_linear
 
-    cfg = Float8LinearConfig.from_recipe_name(recipe)
-    cfg = Float8LinearConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "emulate": True})
-    return Float8Linear.from_float(lin, config=cfg)
-
-
-def _torchao_mxfp8(lin: nn.Linear) -> nn.Module:
-    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    mod = MXFP8Linear(
-        lin.in_features, lin.out_features, bias=False, kernel_preference=KernelPreference.EMULATED
-    )
-    mod.weight = lin.weight
-    return mod
+    return torchao_linear(lin, LinearPlan.from_roles(recipe_specs(recipe)), emulated=True)
 
 
 def candidates(lin: nn.Linear):
-    """(name, recipe, module factory) rows; recipe names the row group in the table."""
+    """(name, recipe, module factory) rows; recipe names the row group in the table. Names are the plan
+    table's backends: ``emulate`` (QuantLinear) and ``torchao_emulated`` (torchao's module, emulated mode)."""
     ours = lambda r: lambda: QuantLinear.from_linear(lin, LinearPlan.from_roles(recipe_specs(r)))  # noqa: E731
-    return [
-        ("nn.Linear fp32", "-", lambda: lin),
-        ("QuantLinear emulate", "fp8_tensorwise", ours("fp8_tensorwise")),
-        ("torchao Float8Linear emulate", "fp8_tensorwise", lambda: _torchao_float8(lin, "tensorwise")),
-        ("QuantLinear emulate", "fp8_rowwise", ours("fp8_rowwise")),
-        ("torchao Float8Linear emulate", "fp8_rowwise", lambda: _torchao_float8(lin, "rowwise")),
-        ("QuantLinear emulate", "fp8_rowwise_hp_wgrad", ours("fp8_rowwise_hp_wgrad")),
-        (
-            "torchao Float8Linear emulate",
-            "fp8_rowwise_hp_wgrad",
-            lambda: _torchao_float8(lin, "rowwise_with_gw_hp"),
-        ),
-        ("QuantLinear emulate", "mxfp8", ours("mxfp8")),
-        ("torchao MXFP8Linear emulated", "mxfp8", lambda: _torchao_mxfp8(lin)),
-        ("QuantLinear emulate", "deepseek_fp8", ours("deepseek_fp8")),
-        ("QuantLinear emulate", "mxfp4", ours("mxfp4")),
-        ("QuantLinear emulate", "nvfp4", ours("nvfp4")),
-        ("QuantLinear emulate", "int8", ours("int8")),
-    ]
+    theirs = lambda r: lambda: _torchao(lin, r)  # noqa: E731
+    rows = [("nn.Linear fp32", "-", lambda: lin)]
+    for recipe in ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_hp_wgrad", "mxfp8"):
+        rows += [
+            ("QuantLinear emulate", recipe, ours(recipe)),
+            ("torchao torchao_emulated", recipe, theirs(recipe)),
+        ]
+    return rows + [("QuantLinear emulate", r, ours(r)) for r in ("deepseek_fp8", "mxfp4", "nvfp4", "int8")]
 
 
 def main() -> None:
