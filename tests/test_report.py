@@ -67,3 +67,31 @@ def test_report_missing_folder_is_one_line(tmp_path):
     from low_bits_training.cli.report import main
 
     assert main([str(tmp_path / "nope"), "-o", str(tmp_path / "o")]) == 2
+
+
+def test_whatif_rows_get_their_own_table_and_stay_out_of_the_heatmaps(tmp_path):
+    from low_bits_training.report.build import build_report
+    from low_bits_training.report.runs import load_run, whatif_summary
+
+    def row(step, layer, role, sqnr, under, **extra):
+        return {"step": step, "layer": layer, "role": role, "spec": "s", "underflow": under,
+                "saturation": 0.0, "sqnr_db": sqnr, **extra}  # fmt: skip
+
+    rows = [row(1, "a", "forward.input", 30.0, 0.0), row(1, "a", "forward.input", 9.0, 0.5, whatif="mxfp4")]
+    rows += [row(2, "a", "forward.input", 31.0, 0.0)]
+    rows += [
+        row(2, f, "forward.input", s, u, whatif="mxfp4") for f, s, u in (("a", 12.0, 0.1), ("b", 7.5, 0.2))
+    ]
+    (tmp_path / "numerics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(tmp_path)
+    assert [r["sqnr_db"] for r in run.numerics] == [30.0, 31.0]  # the plan's own casts only
+    # The last step's what-if rows, worst over the layers: b has the lowest SQNR, a and b the worst underflow.
+    assert whatif_summary(run) == [
+        {"step": 2, "whatif": "mxfp4", "role": "forward.input", "spec": "s", "layers": 2,
+         "max_underflow": 0.2, "max_saturation": 0.0, "min_sqnr_db": 7.5, "worst_layer": "b"}
+    ]  # fmt: skip
+    page = build_report([tmp_path], tmp_path / "out").read_text()
+    table = re.search(r'<table id="whatif">(.*?)</table>', page).group(1)
+    assert re.findall(r"<td>(.*?)</td>", re.findall(r"<tr>(.*?)</tr>", table)[1]) == [
+        "mxfp4", "forward.input", "s", "2", "0.2", "0", "7.5", "b"
+    ]  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .runs import RunData, load_run
+from .runs import RunData, load_run, whatif_summary
 
 COLUMNS = (
     ("run", "run"),
@@ -37,10 +37,22 @@ def unique_names(runs: list[RunData]) -> None:
             r.name = f"{r.folder.resolve().parent.name}_{r.name}"
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = "".join(f"<th>{label}</th>" for _, label in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(r[k])}</td>" for k, _ in COLUMNS) + "</tr>" for r in rows)
-    return f'<table id="numbers"><tr>{head}</tr>{body}</table>'
+WHATIF_COLUMNS = (
+    ("whatif", "alternative"),
+    ("role", "role"),
+    ("spec", "spec"),
+    ("layers", "layers"),
+    ("max_underflow", "max underflow"),
+    ("max_saturation", "max saturation"),
+    ("min_sqnr_db", "min SQNR (dB)"),
+    ("worst_layer", "lowest-SQNR layer"),
+)
+
+
+def _table(rows: list[dict[str, Any]], columns=COLUMNS, table_id: str = "numbers") -> str:
+    head = "".join(f"<th>{label}</th>" for _, label in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(r[k])}</td>" for k, _ in columns) + "</tr>" for r in rows)
+    return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
 
 
 def _img(path: Path) -> str:
@@ -83,9 +95,16 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
         "<h2>Training</h2>",
         *(_img(p) for p in shared if p),
     ]
-    for name, paths in per_run.items():
+    for run in runs:
+        paths = per_run[run.name]
         if any(paths):
-            parts += [f"<h2>Numerics: {html.escape(name)}</h2>", *(_img(p) for p in paths if p)]
+            parts += [f"<h2>Numerics: {html.escape(run.name)}</h2>", *(_img(p) for p in paths if p)]
+        alt = whatif_summary(run)
+        if alt:  # [numerics] whatif: other formats measured on the same live tensors
+            parts += [
+                f"<h2>What-if formats: {html.escape(run.name)} (step {alt[0]['step']}, worst layer per role)</h2>",
+                _table(alt, WHATIF_COLUMNS, "whatif"),
+            ]
     parts.append("</body></html>")
     page = out / "report.html"
     page.write_text("\n".join(parts))

@@ -39,7 +39,9 @@ class RunData:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """Rows of metrics.jsonl merged by step, in step order."""
     numerics: list[dict[str, Any]] = field(default_factory=list)
-    """Rows of numerics.jsonl: one per (step, layer, role)."""
+    """Rows of numerics.jsonl of the plan's own casts: one per (step, layer, role)."""
+    whatif: list[dict[str, Any]] = field(default_factory=list)
+    """Rows of numerics.jsonl of what-if formats (``[numerics] whatif``): one per (step, layer, role, name)."""
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of one metric (steps that do not have it are left out)."""
@@ -105,7 +107,31 @@ def load_run(folder: str | Path) -> RunData:
     numerics = read_jsonl(folder / NUMERICS_FILE)
     if not metrics and not numerics:
         raise FileNotFoundError(f"{folder}: no {METRICS_FILE} or {NUMERICS_FILE} (is it a run folder?)")
-    return RunData(folder.resolve().name, folder, metrics, numerics)
+    own = [r for r in numerics if "whatif" not in r]
+    alt = [r for r in numerics if "whatif" in r]
+    return RunData(folder.resolve().name, folder, metrics, own, alt)
+
+
+def whatif_summary(run: RunData) -> list[dict[str, Any]]:
+    """The what-if statistics of the last step that has them, per (alternative, role) over the layers: the
+    worst underflow / saturation / SQNR and the layer with the lowest SQNR (which layers tolerate it)."""
+    if not run.whatif:
+        return []
+    last = max(r["step"] for r in run.whatif)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in run.whatif:
+        if r["step"] == last:
+            groups.setdefault((r["whatif"], r["role"]), []).append(r)
+    out = []
+    for (name, role), rows in groups.items():
+        worst = min(rows, key=lambda r: _number(r["sqnr_db"]))
+        out.append({
+            "step": last, "whatif": name, "role": role, "spec": worst.get("spec", ""), "layers": len(rows),
+            "max_underflow": max(_number(r["underflow"]) for r in rows),
+            "max_saturation": max(_number(r["saturation"]) for r in rows),
+            "min_sqnr_db": _number(worst["sqnr_db"]), "worst_layer": worst["layer"],
+        })  # fmt: skip
+    return out
 
 
 def heat(run: RunData, metric: str, role: str) -> tuple[list[str], list[int], list[list[float]]]:

@@ -1,0 +1,54 @@
+"""Issue 13's operand options against a layer's shape and placement (config/operand_options.py), through
+``resolve_plan`` as the launcher calls it: one line naming the key, the layer, the role and the number."""
+
+import pytest
+
+from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
+from low_bits_training.config.tree import ConfigError
+
+
+def _plan(rule: QuantRule, shape: LayerShape, recipe: str = "nvfp4"):
+    return resolve_plan(QuantizeConfig(recipe=recipe, skip=[], rules=[rule]), {"layers.0.w": shape})
+
+
+def test_nvfp4_rht16_fits_the_debug_shapes_on_two_tp_ranks():
+    plans = _plan(QuantRule(roles=["wgrad.*"], rht=16), LayerShape(256, 768, 128, tp=2))
+    assert plans["layers.0.w"].spec("wgrad.input").rht == 16
+
+
+@pytest.mark.parametrize(
+    ("rule", "shape", "message"),
+    [
+        (  # wgrad contracts over tokens: a multiple of seq_len 48, which 32 does not divide
+            QuantRule(roles=["wgrad.*"], rht=32),
+            LayerShape(256, 256, 48),
+            "quantize: layers.0.w wgrad.grad_output: rht = 32 does not divide the wgrad GEMM's contraction dim "
+            "(tokens: seq_len 48)",
+        ),
+        (  # forward contracts over K = 96: whole it fits 32, a 1/2 shard (48) does not... but 16 does
+            QuantRule(roles=["forward.*"], rht=32),
+            LayerShape(96, 256, 128, tp=2),
+            "quantize: layers.0.w forward.input: rht = 32 does not divide the forward GEMM's contraction dim "
+            "(in_features 96, 48 per TP shard)",
+        ),
+        (
+            QuantRule(roles=["dgrad.*"], rht=64),
+            LayerShape(256, 96, 128),
+            "quantize: layers.0.w dgrad.grad_output: rht = 64 does not divide the dgrad GEMM's contraction dim "
+            "(out_features 96)",
+        ),
+    ],
+    ids=["wgrad-tokens", "forward-tp-shard", "dgrad"],
+)
+def test_rht_that_does_not_divide_the_contraction_dim_is_one_line(rule, shape, message):
+    with pytest.raises(ConfigError) as e:
+        _plan(rule, shape)
+    assert str(e.value) == message
+
+
+def test_rht_on_one_operand_of_a_gemm_only_is_refused():
+    with pytest.raises(
+        ConfigError, match=r"layers\.0\.w wgrad: the RHT \(rht, rht_seed\) of its operands differ"
+    ) as e:
+        _plan(QuantRule(roles=["wgrad.input"], rht=32), LayerShape(256, 256, 128))
+    assert "\n" not in str(e.value)
