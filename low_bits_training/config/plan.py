@@ -17,6 +17,7 @@ from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec, check_divisible
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan
 
+from .attention import check_product_shapes, named_products
 from .backends import Hardware, TorchaoOptions, check_backend_setting, check_torchao_options, layer_backends
 from .operand_options import check_layer_options
 from .recipes import RECIPES
@@ -48,7 +49,8 @@ class QuantRule:
 
     layers: list[str] = field(default_factory=list)
     """Globs over linear-layer FQNs (``layers.*.attention.*``, ``layers.0.*``, ``lm_head``). With first_n and
-    last_n all empty the rule selects every layer."""
+    last_n all empty the rule selects every layer. The attention products (``layers.*.attention.qk`` /
+    ``.pv``) are reached only by a glob that matches no linear layer (``config.attention``)."""
     first_n: int = 0
     """Also select every linear of the first N transformer blocks (``layers.0`` .. ``layers.N-1``)."""
     last_n: int = 0
@@ -154,6 +156,9 @@ class LayerShape:
     """The token count M is always a multiple of this (the sequence length)."""
     tp: int = 1
     """Tensor-parallel degree: block/tile scales must also fit a 1/tp shard of each feature dim."""
+    product: str = ""
+    """``qk`` / ``pv`` for an attention product (``config.attention``: high precision unless a rule names
+    it, always emulated); empty for a linear layer."""
 
 
 def _block_ids(fqns: list[str]) -> list[int]:
@@ -183,22 +188,32 @@ def check_glob(
 
 
 def select_layers(
-    rule: QuantRule, fqns: list[str], where: str, converted: dict[str, str] | None = None
+    rule: QuantRule,
+    fqns: list[str],
+    where: str,
+    converted: dict[str, str] | None = None,
+    products: set[str] = frozenset(),
 ) -> list[str]:
     """The FQNs (among ``fqns``, the layers the plan covers) a rule selects.
+
+    ``products`` (attention products among ``fqns``) are selected only by globs that name them
+    (``config.attention.named_products``).
 
     Raises:
         ConfigError: a glob or first_n/last_n that selects nothing (see ``check_glob``).
     """
+    named = named_products(rule.layers, fqns, products)
+    fqns = [f for f in fqns if f not in products] if products else fqns
     ids = _block_ids(fqns)
     if rule.first_n < 0 or rule.last_n < 0 or max(rule.first_n, rule.last_n) > len(ids):
         raise ConfigError(f"{where}.first_n/last_n = {rule.first_n}/{rule.last_n}: expected 0..{len(ids)}")
     blocks = set(ids[: rule.first_n]) | (set(ids[-rule.last_n :]) if rule.last_n else set())
     globs = rule.layers or ([] if blocks else ["*"])
     for g in rule.layers:
-        check_glob(g, fqns, converted or {}, f"{where}.layers", may_be_converted=False)
+        check_glob(g, [*fqns, *named], converted or {}, f"{where}.layers", may_be_converted=False)
     in_block = {f for f in fqns if (m := re.match(r"layers\.(\d+)\.", f)) and int(m.group(1)) in blocks}
-    return [f for f in fqns if f in in_block or any(fnmatch.fnmatchcase(f, g) for g in globs)]
+    linears = [f for f in fqns if f in in_block or any(fnmatch.fnmatchcase(f, g) for g in globs)]
+    return linears + named
 
 
 def select_roles(patterns: list[str], where: str) -> list[str]:
@@ -229,7 +244,11 @@ def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSp
 
 
 def _apply_rules(
-    cfg: QuantizeConfig, fqns: list[str], converted: dict[str, str], where: str = "quantize"
+    cfg: QuantizeConfig,
+    fqns: list[str],
+    converted: dict[str, str],
+    where: str = "quantize",
+    products: set[str] = frozenset(),
 ) -> dict[str, dict[str, QuantSpec | None]]:
     try:
         from .recipes import recipe_specs
@@ -237,11 +256,11 @@ def _apply_rules(
         base = recipe_specs(cfg.recipe)
     except KeyError as e:
         raise ConfigError(e.args[0]) from None
-    table = {f: dict(base) for f in fqns}
+    table = {f: dict.fromkeys(ROLE_NAMES) if f in products else dict(base) for f in fqns}
     for i, rule in enumerate(cfg.rules):
         at = f"{where}.rules[{i}]"
         roles = select_roles(rule.roles, at)
-        for f in select_layers(rule, fqns, at, converted):
+        for f in select_layers(rule, fqns, at, converted, products):
             for r in roles:
                 table[f][r] = rule_spec(rule, table[f][r], at)
     for g in cfg.skip:
@@ -266,6 +285,17 @@ def _check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape, where: str = "q
                 check_divisible(s, spec)
             except ValueError as e:
                 raise ConfigError(f"{where}: {fqn} {role.name} {s} ({spec}): {e}") from None
+
+
+def _rule_key(cfg: QuantizeConfig, fqn: str, role: str, layers: dict, where: str) -> str:
+    """The TOML key of the last rule that set ``role`` of ``fqn`` (``where`` if none did)."""
+    products = {f for f, s in layers.items() if s.product}
+    for i in reversed(range(len(cfg.rules))):
+        rule, at = cfg.rules[i], f"{where}.rules[{i}]"
+        chosen = select_layers(rule, list(layers), at, None, products)
+        if role in select_roles(rule.roles, at) and fqn in chosen:
+            return at
+    return where
 
 
 def resolve_plan(
@@ -295,11 +325,16 @@ def resolve_plan(
     """
     hw = hw or Hardware()
     check_backend_setting(cfg.backend, hw)
-    table = _apply_rules(cfg, list(layers), converted or {}, where)
+    products = {f for f, s in layers.items() if s.product}
+    table = _apply_rules(cfg, list(layers), converted or {}, where, products)
     plans = {}
     for fqn, by_role in table.items():
         specs, shape = tuple(by_role[r] for r in ROLE_NAMES), layers[fqn]
         check_layer_options(fqn, specs, shape, where)  # RHT / source / delayed (config/operand_options.py)
+        if shape.product:  # attention: emulated only, sizes named by head_dim / seq_len (config/attention.py)
+            check_product_shapes(specs, fqn, shape, lambda r, f=fqn: _rule_key(cfg, f, r, layers, where))
+            plans[fqn] = LinearPlan(specs)
+            continue
         backends = layer_backends(
             LinearPlan(specs), cfg.backend, hw, shape.in_features, shape.out_features, shape.tp
         )

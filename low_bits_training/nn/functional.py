@@ -53,17 +53,23 @@ class GemmState(NamedTuple):
     """float32 (len(ROLES), N): each role's amax history, newest first (``nn.delayed.new_history``)."""
 
 
-def _source(i: int, tensors: dict[str, torch.Tensor], spec) -> torch.Tensor:
-    """The tensor role ``ROLES[i]`` casts: its operand (or the forward cast, ``source``), RHT'd if asked."""
+def source_operand(i: int, tensors: dict[str, torch.Tensor], spec, axis: int | None = None) -> torch.Tensor:
+    """The tensor role ``ROLES[i]`` casts: its operand (or the forward cast, ``source``), RHT'd if asked.
+
+    ``axis`` is the contraction dim the RHT runs along (default: the role's, for 2-D operands; batched
+    operands such as attention's pass -1 / -2, ``nn.attention``).
+    """
     role = ROLES[i]
     t = tensors[source_key(role, spec)]
+    axis = role.axis if axis is None else axis
     if spec is not None and spec.rht:  # along the contraction dim; the GEMM's other operand gets the same
-        t = hadamard.rht(t, hadamard.sign_vector(spec.rht, spec.rht_seed), role.axis)
+        t = hadamard.rht(t, hadamard.sign_vector(spec.rht, spec.rht_seed), axis)
     return t
 
 
-def _operand(i: int, t: torch.Tensor, spec, shards, state: GemmState, mode: ProbeMode, record: bool):
-    """Cast one operand (role ``ROLES[i]``) and record it in the layer's probe."""
+def cast_operand(i: int, t: torch.Tensor, spec, shards, state: GemmState, mode: ProbeMode, record: bool):
+    """Cast one operand (role ``ROLES[i]``; stochastic rounding keyed by ``rng.role_key(state.key, i)``,
+    delayed scaling from ``state.history[i]``) and record it in the layer's probe."""
     key = rng.role_key(state.key, i) if spec is not None and spec.rounding == "stochastic" else None
     history = (
         state.history[i] if state.history is not None and spec is not None and spec.amax_history else None
@@ -102,15 +108,15 @@ def run_gemm(
     state = GemmState(*state)
     op = GEMM_OPERANDS[gemm]
     sa, sb = plan.specs[op.a], plan.specs[op.b]
-    a, b = _source(op.a, tensors, sa), _source(op.b, tensors, sb)
+    a, b = source_operand(op.a, tensors, sa), source_operand(op.b, tensors, sb)
     ga, gb = shards.get(ROLES[op.a].operand, ()), shards.get(ROLES[op.b].operand, ())
     if plan.backend(gemm) == "real" and (sa is not None or sb is not None):
         probe.record_operand(state, mode, op.a, a, sa)
         probe.record_operand(state, mode, op.b, b, sb)
         y = kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
     else:
-        a = tensors[ROLES[op.a].name] = _operand(op.a, a, sa, ga, state, mode, record)
-        b = tensors[ROLES[op.b].name] = _operand(op.b, b, sb, gb, state, mode, record)
+        a = tensors[ROLES[op.a].name] = cast_operand(op.a, a, sa, ga, state, mode, record)
+        b = tensors[ROLES[op.b].name] = cast_operand(op.b, b, sb, gb, state, mode, record)
         y = (a.t() if op.a_t else a) @ (b.t() if op.b_t else b)
     probe.record_output(state, mode, GEMMS.index(gemm), y)
     return y

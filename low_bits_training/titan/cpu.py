@@ -159,10 +159,14 @@ def _dense_attention_class():
             q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
             B, _, L, _ = q.shape
             mask = create_mask(attention_masks.mask_mod, B, 1, L, k.shape[2], device=q.device)  # (B, 1, L, S)
-            out = torch.nn.functional.scaled_dot_product_attention(
+            return self.attend(q, k, v, mask, scale, enable_gqa).transpose(1, 2)  # (B, L, N, H)
+
+        def attend(self, q, k, v, mask, scale, enable_gqa):
+            """Attention of (B, N, L, H) tensors under a dense bool mask (B, 1, L, S); the quantized
+            attention (``titan.attention``) overrides this."""
+            return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
             )
-            return out.transpose(1, 2)  # (B, L, N, H)
 
     return DenseMaskAttention
 

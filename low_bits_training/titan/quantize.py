@@ -35,6 +35,7 @@ from low_bits_training.config.plan_table import plan_to_json
 from low_bits_training.nn import STATE_BUFFERS, LinearPlan, QuantLinear
 from low_bits_training.nn.linear import HISTORY_BUFFER
 from low_bits_training.nn.whatif import WhatIfLinear
+from low_bits_training.titan.attention import attention_layers, attention_plans, convert_attention
 from low_bits_training.titan.comm import apply_comm
 from low_bits_training.titan.moe import convert_experts, expert_layers, expert_plans
 
@@ -186,6 +187,7 @@ def layer_shapes(config) -> dict[str, LayerShape]:
         for fqn, c, _, _ in linear_configs(model)
     }
     layers.update(expert_layers(model, tp))  # MoE expert weights: titan/moe.py
+    layers.update(attention_layers(model, config.training.seq_len))  # attention products: titan/attention.py
     return layers
 
 
@@ -229,6 +231,7 @@ def apply_precision_plan(config) -> dict[str, LinearPlan]:
     converter = PrecisionPlanConverter.Config(plans=plans, torchao=config.quantize.torchao, keep=keep).build()
     config.model_spec.model = converter.convert(model)
     convert_experts(config.model_spec.model, plans, config.parallelism)  # MoE experts: titan/moe.py
+    convert_attention(config.model_spec.model, plans, config.parallelism)  # attention: titan/attention.py
     if any(p.backends[0].startswith("torchao") for p in plans.values()):
         from low_bits_training.titan.torchao_backend import install_fsdp_scale_precompute
 
@@ -254,7 +257,8 @@ def current_plans(config) -> tuple[dict[str, LinearPlan], dict[str, str]]:
         else:
             continue
         modules[fqn] = module_label(cfg)
-    for fqn, (plan, label) in expert_plans(model).items():  # MoE expert weights: titan/moe.py
+    others = {**expert_plans(model), **attention_plans(model)}  # MoE experts, attention products
+    for fqn, (plan, label) in others.items():
         plans[fqn], modules[fqn] = plan, label
     return plans, modules
 

@@ -35,6 +35,7 @@ def schedule_on(config, hw=None) -> Schedule:
     Raises:
         ConfigError: see ``config.schedule.resolve_schedule`` and ``check_switchable``.
     """
+    from low_bits_training.titan.attention import attention_layers
     from low_bits_training.titan.moe import expert_layers
     from low_bits_training.titan.quantize import converted_linears, layer_shapes
 
@@ -43,7 +44,9 @@ def schedule_on(config, hw=None) -> Schedule:
     sched = resolve_schedule(
         config.quantize, layer_shapes(config), config.training.steps, hw, converted_linears(model)
     )
-    check_switchable(sched, dict.fromkeys(expert_layers(model), "an MoE expert weight"))
+    fixed = dict.fromkeys(expert_layers(model), "an MoE expert weight")
+    fixed.update(dict.fromkeys(attention_layers(model, config.training.seq_len), "an attention product"))
+    check_switchable(sched, fixed)
     return sched
 
 

@@ -1,0 +1,122 @@
+"""Attention GEMMs inside the precision plan: the quantized inner attention and its converter.
+
+torchtitan 0.3's attention modules (``GQAttention``, ``layers.N.attention``) hand Q, K, V to an inner
+attention (``.inner_attention``, FlexAttention for the llama3 and qwen3 bases). The plan names the two
+products of each ``<fqn>.qk`` / ``<fqn>.pv`` (``config.attention``, ``nn.attention``). Where the plan
+quantizes one of them, ``convert_attention`` swaps the inner attention for ``QuantFlexAttention``: the
+FlexAttention interface and BlockMask, computed with the mask made dense (as the CPU adapter does) by
+``nn.attention.quant_attention``. Where it does not, nothing changes: the same module, the same numbers.
+Emulated on every device (no fp8 attention kernel is used, even on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, fields
+
+import torch
+from torchtitan.models.common.attention import BaseAttention, FlexAttention
+from torchtitan.protocols.module import Module
+
+from low_bits_training.config.attention import check_attention_parallelism
+from low_bits_training.config.plan import LayerShape
+from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.attention import PRODUCTS, AttentionPlan, ProductState, quant_attention
+from low_bits_training.titan import cpu
+
+
+class TitanProductState(ProductState, Module):
+    """``ProductState`` under torchtitan's Module protocol: buffers (re)made in ``init_states``."""
+
+    def __init__(self, plan: LinearPlan, name: str):
+        ProductState.__init__(self, plan, name)
+        self._name = name
+
+    def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
+        self.init_state_buffers(
+            buffer_device if buffer_device is not None else self.lbt_key.device, self._name
+        )
+
+
+@functools.cache
+def quant_attention_class() -> type:
+    """``QuantFlexAttention``, built on first use (its base is the CPU adapter's dense-mask attention)."""
+    dense = cpu._dense_attention_class()
+
+    class QuantFlexAttention(dense):
+        """FlexAttention's interface and BlockMask; attention by ``quant_attention`` under the plan."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(dense.Config):
+            plans: dict[str, LinearPlan] = field(default_factory=dict)
+            """Plan of each product: ``{"qk": ..., "pv": ...}``."""
+            fqn: str = ""
+            """The attention module's FQN (keys each product's stochastic-rounding stream)."""
+
+        def __init__(self, config: Config):
+            super().__init__(config)
+            plans = {n: config.plans.get(n, LinearPlan()) for n in PRODUCTS}
+            self.plan = AttentionPlan(**plans)
+            for n in PRODUCTS:
+                self.add_module(n, TitanProductState(plans[n], f"{config.fqn}.{n}"))
+
+        def attend(self, q, k, v, mask, scale, enable_gqa):
+            states = (self.qk.state, self.pv.state)
+            return quant_attention(q, k, v, self.plan, mask=mask, scale=scale, states=states)
+
+    return QuantFlexAttention
+
+
+def _attentions(model_config) -> list:
+    """``(fqn, config)`` of the attention modules whose inner attention is a FlexAttention (the ones the plan
+    covers)."""
+    return [
+        (fqn, cfg)
+        for fqn, cfg, _, _ in model_config.traverse(BaseAttention.Config)
+        if isinstance(getattr(cfg, "inner_attention", None), FlexAttention.Config)
+    ]
+
+
+def attention_layers(model_config, seq_len: int) -> dict[str, LayerShape]:
+    """The plan entries of every covered attention module: ``<fqn>.qk`` / ``<fqn>.pv`` -> their shape as
+    a linear layer (``config.attention``)."""
+    out = {}
+    for fqn, cfg in _attentions(model_config):
+        h = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
+        out[f"{fqn}.qk"] = LayerShape(h, seq_len, seq_len, product="qk")
+        out[f"{fqn}.pv"] = LayerShape(seq_len, h, seq_len, product="pv")
+    return out
+
+
+def attention_plans(model_config) -> dict[str, tuple[LinearPlan, str]]:
+    """Every product's plan as it stands in the model config tree, and the module that runs it."""
+    out = {}
+    for fqn, cfg in _attentions(model_config):
+        inner = cfg.inner_attention
+        plans = getattr(inner, "plans", {})
+        label = "QuantAttention" if plans else type(inner).__qualname__.split(".")[0]
+        out.update({f"{fqn}.{n}": (plans.get(n, LinearPlan()), label) for n in PRODUCTS})
+    return out
+
+
+def convert_attention(model_config, plans: dict[str, LinearPlan], parallelism) -> int:
+    """Swap the inner attention of every attention module the plan quantizes, in place.
+
+    Returns:
+        How many were swapped.
+
+    Raises:
+        ConfigError: quantized attention under tensor or context parallelism.
+    """
+    cls = quant_attention_class()
+    hits = []
+    for fqn, cfg in _attentions(model_config):
+        mine = {n: plans[f"{fqn}.{n}"] for n in PRODUCTS if f"{fqn}.{n}" in plans}
+        if not all(p.is_high_precision for p in mine.values()):
+            hits.append((fqn, cfg, mine))
+    check_attention_parallelism([f for f, _, _ in hits], parallelism)
+    for fqn, cfg, mine in hits:
+        old = cfg.inner_attention
+        base = {f.name: getattr(old, f.name) for f in fields(FlexAttention.Config)}
+        cfg.inner_attention = cls.Config(**base, plans=mine, fqn=fqn)
+    return len(hits)

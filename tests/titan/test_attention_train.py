@@ -1,0 +1,121 @@
+"""Quantized attention GEMMs in the torchtitan model (titan/attention.py): swapped in only where the plan names
+the attention products, equal to the CPU adapter's attention in high precision, refused in one line where it
+cannot run, and training the debug model (train_configs/recipes/debug_fp8_attention.toml)."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from helpers import REPO, train, write_toml
+from low_bits_training.config.plan import QuantRule
+from low_bits_training.config.tree import ConfigError
+from low_bits_training.nn import LinearPlan
+
+PRESET = REPO / "train_configs" / "recipes" / "debug_fp8_attention.toml"
+FP8 = QuantRule(layers=["layers.*.attention.qk", "layers.*.attention.pv"], format="e4m3", scaling="tensor")
+
+
+def _config(recipe: str = "fp8_tensorwise", rules=(), **parallelism):
+    from low_bits_training.titan.configure import load_config
+
+    config = load_config(REPO / "train_configs" / "debug_model.toml", [])
+    config.quantize.recipe, config.quantize.rules = recipe, list(rules)
+    for key, value in parallelism.items():
+        setattr(config.parallelism, key, value)
+    return config
+
+
+def _inner(config) -> list:
+    return [layer.attention.inner_attention for layer in config.model_spec.model.layers]
+
+
+def test_nothing_selects_attention_nothing_changes():
+    from low_bits_training.titan.quantize import apply_precision_plan, current_plans
+
+    config = _config()
+    before = _inner(config)
+    plans = apply_precision_plan(config)
+    assert _inner(config) == before and all(a is b for a, b in zip(_inner(config), before, strict=True))
+    assert (
+        plans["layers.0.attention.qk"].is_high_precision and plans["layers.5.attention.pv"].is_high_precision
+    )
+    assert current_plans(config)[1]["layers.0.attention.qk"] == "FlexAttention"
+
+
+def test_named_products_swap_the_inner_attention():
+    from low_bits_training.titan.attention import quant_attention_class
+    from low_bits_training.titan.quantize import apply_precision_plan, current_plans
+
+    config = _config(rules=[QuantRule(layers=["layers.[01].attention.qk"], format="e4m3", scaling="tensor")])
+    apply_precision_plan(config)
+    kinds = [type(c) for c in _inner(config)]
+    assert (
+        kinds[:2] == [quant_attention_class().Config] * 2 and quant_attention_class().Config not in kinds[2:]
+    )
+    assert _inner(config)[0].plans["pv"].is_high_precision and _inner(config)[0].fqn == "layers.0.attention"
+    assert current_plans(config)[1]["layers.1.attention.pv"] == "QuantAttention"
+
+
+def test_tensor_parallel_quantized_attention_is_refused():
+    from low_bits_training.titan.quantize import apply_precision_plan
+
+    with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree = 2: quantized attention"):
+        apply_precision_plan(_config(rules=[FP8], tensor_parallel_degree=2))
+
+
+def test_high_precision_quant_attention_is_the_cpu_adapters_attention():
+    """The module (BlockMask interface, dense mask, GQA) with a high-precision plan: the adapter's numbers."""
+    from low_bits_training.titan.attention import quant_attention_class
+    from low_bits_training.titan.cpu import _dense_attention_class
+
+    def documents(b, h, q, kv):  # causal within two packed documents
+        return (q >= kv) & ((q < 40) == (kv < 40))
+
+    mask = namedtuple("Mask", "mask_mod")(documents)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 64, 4, 32, generator=g), *torch.randn(2, 2, 64, 2, 32, generator=g)
+    dense = _dense_attention_class()(_dense_attention_class().Config())
+    ours = quant_attention_class()(quant_attention_class().Config(plans={"qk": LinearPlan()}, fqn="a"))
+    want = dense(q, k, v, attention_masks=mask, enable_gqa=True)
+    got = ours(q, k, v, attention_masks=mask, enable_gqa=True)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_bad_block_size_through_the_launcher(tmp_path):
+    rule = {"layers": ["layers.*.attention.qk"], "format": "e4m3", "scaling": "block", "block_size": 48}
+    run = train(tmp_path, config=write_toml(tmp_path / "bad.toml", quantize={"rules": [rule]}), check=False)
+    lines = [line for line in run.log.strip().splitlines() if line.startswith("low-bits-training:")]
+    assert run.returncode == 2, run.log[-3000:]
+    assert lines == [
+        "low-bits-training: config error: quantize.rules[0]: layers.0.attention.qk forward.input: block_size = 48 "
+        "does not divide head_dim = 64 (Q, blocked along head_dim in the forward GEMM); use a divisor of 64 or "
+        "exclude the role"
+    ], run.log[-3000:]
+    assert not (run.folder / "precision_plan.txt").exists()
+
+
+@pytest.mark.slow
+def test_debug_model_trains_with_fp8_attention(tmp_path):
+    steps = ("--training.steps", "10", "--checkpoint.no-enable")
+    base = train(tmp_path / "base", *steps).losses
+    fp8 = train(tmp_path / "fp8", *steps, config=PRESET)
+    loss = fp8.losses
+    assert sorted(loss) == list(range(1, 11))
+    assert loss[10] < loss[1] - 1.0, loss
+    assert abs(loss[10] - base[10]) < 0.1, (loss, base)  # fp8 attention + fp8 linears vs fp32: close
+    table = (fp8.folder / "precision_plan.txt").read_text()
+    assert "layers.[0-5].attention.qk  QuantAttention" in table, table
+
+
+def test_a_phase_that_changes_attention_is_refused():
+    from low_bits_training.config.plan import Phase
+    from low_bits_training.titan.quantize import apply_precision_plan
+
+    config = _config()
+    config.quantize.phases = [Phase(start=0.5, rules=[FP8])]
+    with pytest.raises(
+        ConfigError, match=r"changes the plan of layers.0.attention.qk \(an attention product\)"
+    ):
+        apply_precision_plan(config)
