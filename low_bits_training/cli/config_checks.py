@@ -61,10 +61,12 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
     The same resolution the launcher applies (``titan.quantize.plan_on``); linears a base's torchtitan
     converter swapped are ``torchtitan``.
     """
+    from low_bits_training.titan.moe import expert_layers, grouped_module_label
     from low_bits_training.titan.quantize import converted_linears, plan_module_label, plan_on
 
-    plans = plan_on(config, hw, quantize)
-    out = {fqn: (plan_module_label(p), tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in plans.items()}
+    plans, experts = plan_on(config, hw, quantize), expert_layers(config.model_spec.model)
+    label = lambda fqn, p: grouped_module_label(p) if fqn in experts else plan_module_label(p)  # noqa: E731
+    out = {fqn: (label(fqn, p), tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in plans.items()}
     for fqn, label in converted_linears(config.model_spec.model).items():
         out[fqn] = (label, ("torchtitan",) * len(GEMMS))
     return out

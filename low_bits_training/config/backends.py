@@ -22,7 +22,7 @@ from typing import Literal
 
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
-from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_recipe
+from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
 
 BACKEND_SETTINGS = ("emulate", "torchao", "auto")
 """``[quantize] backend``: emulate (ours everywhere), torchao (torchao's module for every layer whose plan it
@@ -103,14 +103,43 @@ def torchao_shape_refusal(recipe: TorchaoRecipe, in_features: int, out_features:
     return None
 
 
-def layer_backends(
+def grouped_backends(
     plan: LinearPlan, setting: str, hw: Hardware, in_features: int, out_features: int, tp: int = 1
 ) -> tuple[str, ...]:
+    """``layer_backends`` of MoE expert weights: torchao's grouped-GEMM recipe
+    (``nn.torchao_modules.torchao_grouped_recipe``, run by torchtitan's experts classes) where it computes the
+    plan and the device has its kernel; under ``torchao`` its emulated mode where torchao has one (MXFP8)."""
+    recipe = torchao_grouped_recipe(plan) if setting != "emulate" else None
+    m = recipe.dim_multiple if recipe is not None else 1
+    fits = recipe is not None and tp == 1 and not (in_features % m or out_features % m)
+    if not fits or not hw.torchao:
+        return ("emulate",) * len(GEMMS)
+    if hw.has(recipe.min_capability):
+        return ("torchao",) * len(GEMMS)
+    if setting == "torchao" and recipe.emulated_name is not None:
+        return ("torchao_emulated",) * len(GEMMS)
+    return ("emulate",) * len(GEMMS)
+
+
+def layer_backends(
+    plan: LinearPlan,
+    setting: str,
+    hw: Hardware,
+    in_features: int,
+    out_features: int,
+    tp: int = 1,
+    grouped: bool = False,
+) -> tuple[str, ...]:
     """The backend of each GEMM (``GEMMS`` order) of a layer under ``[quantize] backend = setting``.
+
+    Args:
+        grouped: an MoE expert weight (``grouped_backends``).
 
     Returns:
         ("emulate",)*3 for ours, ("torchao",)*3 or ("torchao_emulated",)*3 for torchao's module.
     """
+    if grouped:
+        return grouped_backends(plan, setting, hw, in_features, out_features, tp)
     recipe = torchao_recipe(plan) if setting != "emulate" else None
     if recipe is None or torchao_shape_refusal(recipe, in_features, out_features, tp):
         return ("emulate",) * len(GEMMS)

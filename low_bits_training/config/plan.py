@@ -156,6 +156,8 @@ class LayerShape:
     """The token count M is always a multiple of this (the sequence length)."""
     tp: int = 1
     """Tensor-parallel degree: block/tile scales must also fit a 1/tp shard of each feature dim."""
+    grouped: bool = False
+    """An MoE expert weight (a grouped GEMM per expert): torchao's grouped recipes apply, not its linears'."""
     product: str = ""
     """``qk`` / ``pv`` for an attention product (``config.attention``: high precision unless a rule names
     it, always emulated); empty for a linear layer."""
@@ -336,7 +338,7 @@ def resolve_plan(
             plans[fqn] = LinearPlan(specs)
             continue
         backends = layer_backends(
-            LinearPlan(specs), cfg.backend, hw, shape.in_features, shape.out_features, shape.tp
+            LinearPlan(specs), cfg.backend, hw, shape.in_features, shape.out_features, shape.tp, shape.grouped
         )
         plans[fqn] = LinearPlan(specs, backends)
         _check_shapes(plans[fqn], fqn, shape, where)

@@ -140,6 +140,43 @@ def torchao_recipe(plan: LinearPlan) -> TorchaoRecipe | None:
     return _float8_recipe(specs) or _mxfp8_recipe(specs)
 
 
+@dataclass(frozen=True)
+class TorchaoGroupedRecipe:
+    """A torchao grouped-GEMM recipe for MoE experts that computes a plan (through torchtitan's experts
+    classes: ``Float8GroupedExperts``, ``MXFP8GroupedExperts``)."""
+
+    module: Literal["Float8GroupedExperts", "MXFP8GroupedExperts"]
+    recipe_name: str
+    """The name torchtitan's class takes: ``rowwise``, ``mxfp8_rceil``, ``mxfp8_rceil_wgrad_with_hp``."""
+    emulated_name: str | None
+    """torchao's hardware-agnostic mode of the same recipe (``mxfp8_emulated_rceil``: to_mx casts, bf16
+    grouped GEMMs in plain torch, runs on a CPU); None: it has none."""
+    min_capability: tuple[int, int]
+    """Smallest CUDA compute capability with the kernel (torchtitan's converters check the same)."""
+    pad_multiple: int
+    """Token-group row multiple torchtitan's padding dispatcher uses for it."""
+    dim_multiple: int
+    """Every expert feature dim must be a multiple of this."""
+
+
+def torchao_grouped_recipe(plan: LinearPlan) -> TorchaoGroupedRecipe | None:
+    """The torchao grouped-GEMM recipe that computes ``plan`` on expert weights, or None.
+
+    MXFP8 with RCEIL e8m0 scales (optionally the weight-gradient GEMM high), and torchao's Float8 ``rowwise``
+    cast table (the one the previous grouped fp8 converter of torchtitan takes); nothing else.
+    """
+    linear = torchao_recipe(plan)
+    if linear is None:
+        return None
+    if linear.module == "MXFP8Linear" and linear.mx_scale_mode == "rceil":
+        name = "mxfp8_rceil_wgrad_with_hp" if linear.wgrad_high else "mxfp8_rceil"
+        emulated = None if linear.wgrad_high else "mxfp8_emulated_rceil"
+        return TorchaoGroupedRecipe("MXFP8GroupedExperts", name, emulated, (10, 0), 32, 32)
+    if linear.module == "Float8Linear" and linear.label == "rowwise":
+        return TorchaoGroupedRecipe("Float8GroupedExperts", "rowwise", None, (8, 9), 16, 16)
+    return None
+
+
 _FLOAT8_FIELDS = {  # Float8LinearConfig cast field per role (the same six operands as ROLES)
     "forward.input": "cast_config_input",
     "forward.weight": "cast_config_weight",

@@ -11,13 +11,20 @@ torchtitan 0.3's MoE layers keep their routed experts in one ``GroupedExperts`` 
   dispatcher becomes ``PaddedTokenDispatcher``, which zero-pads each expert's token group to
   ``nn.grouped.pad_multiple`` (torchtitan's MXFP8 MoE converter does the same with torchao's
   ``permute_and_pad``, whose index kernel is triton-only);
-- a non-emulate backend whose plan is a torchao grouped recipe (MXFP8 RCEIL, with or without a
-  high-precision wgrad, on SM100; fp8 rowwise on SM89) on hardware that has it: torchtitan's own
-  ``MXFP8GroupedExperts`` / ``Float8GroupedExperts`` and its padding dispatcher (not run here: no GPU).
+- where the resolved plan's backend is ``torchao`` (``config.backends.grouped_backends``: a torchao grouped
+  recipe, MXFP8 RCEIL with or without a high-precision wgrad on SM100, fp8 rowwise on SM89, on hardware that
+  has it): torchtitan's own ``MXFP8GroupedExperts`` / ``Float8GroupedExperts`` and its padding dispatcher.
+  Not run here: no GPU was available; the plan table and lbt-doctor ``--hardware sm100`` say where it would.
+- ``torchao_emulated`` (``backend = "torchao"`` on a device without the kernel, MXFP8 RCEIL only): torchtitan's
+  ``MXFP8GroupedExperts`` with torchao's ``mxfp8_emulated_rceil`` recipe (to_mx casts, bf16 grouped GEMMs)
+  and ``PaddedTokenDispatcher``; runs on a CPU.
+The three weights of one experts module share one torchtitan module, so torchao takes them only when all
+three resolve to the same torchao recipe and backend; otherwise all three run our emulation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
@@ -31,10 +38,10 @@ from torchtitan.protocols.module import Module
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.plan import LayerShape
-from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
+from low_bits_training.nn.torchao_modules import TorchaoGroupedRecipe, torchao_grouped_recipe
 
 WEIGHTS = ("w1", "w2", "w3")
 """The plan's names of the three stacked expert weights (``<experts fqn>.w1`` ...)."""
@@ -155,7 +162,7 @@ def expert_layers(model_config, tp: int = 1) -> dict[str, LayerShape]:
     for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
         d, h = cfg.dim, cfg.hidden_dim
         for name, (k, n) in zip(WEIGHTS, ((d, h), (h, d), (d, h)), strict=True):
-            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp)
+            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp, grouped=True)
     return out
 
 
@@ -165,45 +172,80 @@ def expert_plans(model_config) -> dict[str, tuple[LinearPlan, str]]:
     out = {}
     for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
         plans = getattr(cfg, "plans", {})
-        label = "QuantGroupedExperts" if plans else type(cfg).__qualname__.split(".")[0]
-        if type(cfg).__module__.startswith("torchtitan.components."):
-            label = f"torchtitan {label}"
+        owner = getattr(type(cfg), "_owner", None)
+        label = owner.__name__ if owner is not None else type(cfg).__qualname__.split(".")[0]
+        if isinstance(cfg, TitanQuantGroupedExperts.Config):
+            label = "QuantGroupedExperts"
+        elif label in ("MXFP8GroupedExperts", "Float8GroupedExperts"):  # torchtitan's torchao classes
+            label = f"torchao {label} ({getattr(cfg, 'recipe_name', 'rowwise')})"
         out.update({f"{fqn}.{n}": (plans.get(n, LinearPlan()), label) for n in WEIGHTS})
     return out
 
 
-def _torchao_kernel(plans: dict[str, LinearPlan], device: str) -> str | None:
-    """The torchao grouped recipe these plans are, if the device runs it: mxfp8_rceil[_wgrad_with_hp] or
-    fp8_rowwise (None: emulate)."""
-    specs = {p.specs for p in plans.values()}
-    if len(specs) != 1 or device != "cuda" or not torch.cuda.is_available():
+def grouped_module_label(plan: LinearPlan) -> str:
+    """What ``convert_experts`` builds for an expert weight with this resolved plan (the plan table's and
+    lbt-doctor's module column)."""
+    if plan.is_high_precision:
+        return "GroupedExperts"
+    backend = plan.backends[0]
+    if backend in ("torchao", "torchao_emulated"):
+        recipe = torchao_grouped_recipe(plan)
+        name = recipe.recipe_name if backend == "torchao" else recipe.emulated_name
+        return f"torchao {recipe.module} ({name})"
+    return "QuantGroupedExperts"
+
+
+def _torchao_choice(plans: dict[str, LinearPlan]) -> tuple[TorchaoGroupedRecipe, str] | None:
+    """The torchao recipe and its name when all three weights resolved to the same one on a torchao backend."""
+    backends = {p.backends for p in plans.values()}
+    recipes = {torchao_grouped_recipe(p) for p in plans.values()}
+    if (
+        len(backends) != 1
+        or len(recipes) != 1
+        or next(iter(backends))[0] not in ("torchao", "torchao_emulated")
+    ):
         return None
-    (s,) = specs
-    cap = torch.cuda.get_device_capability()
-    mx, mx_hp = LinearPlan.from_roles(recipe_specs("mxfp8")).specs, _hp_wgrad("mxfp8")
-    if cap >= (10, 0) and s in (mx, mx_hp):
-        return "mxfp8_rceil" if s == mx else "mxfp8_rceil_wgrad_with_hp"
-    if cap >= (8, 9) and s == LinearPlan.from_roles(recipe_specs("fp8_rowwise")).specs:
-        return "fp8_rowwise"
-    return None
+    (recipe,) = recipes
+    emulated = next(iter(backends))[0] == "torchao_emulated"
+    return recipe, recipe.emulated_name if emulated else recipe.recipe_name
 
 
-def _hp_wgrad(recipe: str) -> tuple:
-    specs = recipe_specs(recipe)
-    specs["wgrad.grad_output"] = specs["wgrad.input"] = None
-    return LinearPlan.from_roles(specs).specs
+_PLANNED: dict[type, type] = {}
 
 
-def _torchao_config(cfg, kernel: str, parent):
+def _planned(kernel_cls: type) -> type:
+    """torchtitan's torchao experts class with the plan kept on its config (``expert_plans`` reads it back)."""
+    if kernel_cls not in _PLANNED:
+
+        class Planned(kernel_cls):
+            @dataclass(kw_only=True, slots=True)
+            class Config(kernel_cls.Config):
+                plans: dict[str, LinearPlan] = field(default_factory=dict)
+                """Plan of each stacked weight (what the torchao recipe computes)."""
+
+        Planned.__name__ = Planned.__qualname__ = kernel_cls.__name__
+        _PLANNED[kernel_cls] = Planned
+    return _PLANNED[kernel_cls]
+
+
+def _torchao_config(cfg, recipe: TorchaoGroupedRecipe, name: str, plans: dict[str, LinearPlan], parent):
     from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
     from torchtitan.components.quantization.mx import _get_mxfp8_grouped_experts_cls
     from torchtitan.components.quantization.utils import swap_token_dispatcher
 
-    swap_token_dispatcher(parent, 16 if kernel == "fp8_rowwise" else 32)  # their kernels' alignment
+    if name == recipe.emulated_name:  # torchao's permute_and_pad is triton-only: our static-shape padding
+        old = parent.token_dispatcher
+        parent.token_dispatcher = PaddedTokenDispatcher.Config(
+            num_experts=old.num_experts, top_k=old.top_k, pad_multiple=recipe.pad_multiple
+        )
+    else:
+        swap_token_dispatcher(parent, recipe.pad_multiple)
     base = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    if kernel == "fp8_rowwise":
-        return _get_float8_grouped_experts_cls(type(cfg)._owner).Config(**base)
-    return _get_mxfp8_grouped_experts_cls(type(cfg)._owner).Config(**base, recipe_name=kernel)
+    if recipe.module == "Float8GroupedExperts":
+        cls = _planned(_get_float8_grouped_experts_cls(type(cfg)._owner))
+        return cls.Config(**base, plans=plans)
+    cls = _planned(_get_mxfp8_grouped_experts_cls(type(cfg)._owner))
+    return cls.Config(**base, recipe_name=name, plans=plans)
 
 
 def _emulated_config(cfg, fqn: str, plans: dict[str, LinearPlan], parent):
@@ -217,37 +259,31 @@ def _emulated_config(cfg, fqn: str, plans: dict[str, LinearPlan], parent):
     return TitanQuantGroupedExperts.Config(**base, plans=plans, fqn=fqn)
 
 
-def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism, device: str | None = None):
+def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism):
     """Swap every experts module the plan quantizes, in place (see the module docstring).
 
     Args:
         model_config: the model config tree.
-        plans: the resolved plan (``<experts fqn>.w1`` ... entries from ``expert_layers``).
+        plans: the resolved plan (``<experts fqn>.w1`` ... entries from ``expert_layers``; their backends
+            say which module runs them, ``config.backends.grouped_backends``).
         parallelism: ``config.parallelism``.
-        device: "cuda" or "cpu" (default: this machine's).
 
     Raises:
-        ConfigError: a non-emulate backend for experts that no torchao grouped kernel runs here, or
-            emulated quantized experts under expert or tensor parallelism.
+        ConfigError: emulated quantized experts under expert or tensor parallelism.
     """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         mine = {n: plans[f"{fqn}.{n}"] for n in WEIGHTS}
         if all(p.is_high_precision for p in mine.values()):
             continue
-        wants_kernel = any(b != "emulate" for p in mine.values() for b in p.backends)
-        kernel = _torchao_kernel(mine, device) if wants_kernel else None
-        if kernel is not None:
-            new = _torchao_config(cfg, kernel, parent)
-        elif any(b == "real" for p in mine.values() for b in p.backends):
-            raise ConfigError(
-                f"quantize.backend = 'real': {fqn} has no real grouped-GEMM kernel on {device} (torchao has "
-                "MXFP8 RCEIL on SM100 and fp8 rowwise on SM89, with one plan for w1/w2/w3); allowed: "
-                "'emulate', 'auto'"
-            )
-        else:
+        choice = _torchao_choice(mine)
+        if choice is not None:
+            new = _torchao_config(cfg, *choice, mine, parent)
+        else:  # ours; a weight resolved to torchao alone runs ours with its siblings (one module)
             _check_parallelism(fqn, parallelism)
-            new = _emulated_config(cfg, fqn, mine, parent)
+            ours = {
+                n: dataclasses.replace(p, backends=("emulate",) * len(p.backends)) for n, p in mine.items()
+            }
+            new = _emulated_config(cfg, fqn, ours, parent)
         setattr(parent, attr, new)
 
 

@@ -80,3 +80,100 @@ def test_padding_dispatcher_matches_torchao_indices():
         shape, padded, idx, mine = pad_token_groups(x, counts, ranks, experts, multiple)
         assert torch.equal(idx, torch.where(ref < 0, n, ref.long())) and torch.equal(mine, sizes.int())
         assert torch.equal(padded, torch.cat([x, torch.zeros(1, 5)])[idx]) and shape == (n + 1, 5)
+
+
+# --- torchao's grouped experts: which backend runs them (config.backends.grouped_backends) --------------------
+
+
+@pytest.mark.parametrize(
+    "recipe, backend, hardware, expect",
+    [
+        ("mxfp8", "auto", "cpu", ("emulate", "QuantGroupedExperts")),
+        (
+            "mxfp8",
+            "torchao",
+            "cpu",
+            ("torchao_emulated", "torchao MXFP8GroupedExperts (mxfp8_emulated_rceil)"),
+        ),
+        ("mxfp8", "auto", "sm100", ("torchao", "torchao MXFP8GroupedExperts (mxfp8_rceil)")),
+        (
+            "mxfp8",
+            "torchao",
+            "sm90",
+            ("torchao_emulated", "torchao MXFP8GroupedExperts (mxfp8_emulated_rceil)"),
+        ),
+        ("mxfp8", "emulate", "sm100", ("emulate", "QuantGroupedExperts")),
+        ("fp8_rowwise", "auto", "sm90", ("torchao", "torchao Float8GroupedExperts (rowwise)")),
+        ("fp8_rowwise", "torchao", "cpu", ("emulate", "QuantGroupedExperts")),  # torchao has no emulated mode
+        ("fp8_tensorwise", "torchao", "sm100", ("emulate", "QuantGroupedExperts")),  # no grouped tensorwise
+    ],
+)
+def test_expert_backend_follows_torchao_grouped_recipes(recipe, backend, hardware, expect):
+    from low_bits_training.cli.doctor import hardware as named
+    from low_bits_training.config.backends import gemm_backend
+    from low_bits_training.titan.moe import grouped_module_label
+
+    cfg = QuantizeConfig(recipe=recipe, backend=backend, skip=[])
+    plans = resolve_plan(cfg, _layers(), named(hardware))
+    for fqn, plan in plans.items():
+        got = {gemm_backend(plan, g) for g in ("forward", "dgrad", "wgrad")}
+        assert (got, grouped_module_label(plan)) == ({expect[0]}, expect[1]), fqn
+
+
+def test_hp_wgrad_mxfp8_experts_have_no_torchao_emulation():
+    from low_bits_training.cli.doctor import hardware as named
+
+    rule = QuantRule(layers=["*"], roles=["wgrad.*"], format="high")
+    cfg = QuantizeConfig(recipe="mxfp8", backend="torchao", skip=[], rules=[rule])
+    for hw, backend in (("cpu", "emulate"), ("sm100", "torchao")):
+        plans = resolve_plan(cfg, _layers(), named(hw))
+        assert {p.backends[0] for p in plans.values()} == {backend}, hw
+
+
+def test_torchao_emulated_grouped_mxfp8_computes_the_plan():
+    """torchao's ``mxfp8_emulated_rceil`` grouped GEMMs (what ``torchao_emulated`` experts run) against our
+    grouped emulation of the mxfp8 plan: the same casts, so they differ only by torchao's bf16 GEMM."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+
+    from low_bits_training.config.recipes import recipe_specs
+    from low_bits_training.nn import LinearPlan
+    from low_bits_training.nn.grouped import grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    e, k, n = 4, 128, 96
+    x = torch.randn(4 * 64, k, generator=g).bfloat16()
+    w = (torch.randn(e, n, k, generator=g) / k**0.5).bfloat16()
+    dy = torch.randn(4 * 64, n, generator=g).bfloat16()
+    offs = torch.tensor([64, 96, 192, 256], dtype=torch.int32)  # groups padded to 32 by the dispatcher
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    outs = []
+    for run in (
+        lambda a, b: _quantize_then_scaled_grouped_mm(a, b.transpose(-2, -1), config=config, offs=offs),
+        lambda a, b: grouped_linear(a, b, offs, LinearPlan.from_roles(recipe_specs("mxfp8"))),
+    ):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = run(a, b)
+        y.backward(dy)
+        outs.append((y.float(), a.grad.float(), b.grad.float()))
+    high = grouped_linear(x.float(), w.float(), offs, LinearPlan())  # fp32, nothing quantized
+    rel = lambda a, ref: float(((a - ref).pow(2).sum() / ref.pow(2).sum()).detach())  # noqa: E731
+    assert rel(outs[1][0], high) > 1e-4  # MXFP8 changed the output (about 30 dB from fp32) ...
+    for name, ao, ours in zip(("y", "dx", "dw"), *outs, strict=True):
+        assert rel(ao, ours) < 1e-5, (
+            name,
+            rel(ao, ours),
+        )  # ... torchao and ours agree to > 50 dB: bf16 output
+
+
+@pytest.mark.slow
+def test_torchao_emulated_experts_train_like_ours(tmp_path):
+    ao = train(tmp_path / "ao", *STEPS, "--quantize.backend", "torchao", config=MOE_TOML)
+    ours = train(tmp_path / "ours", *STEPS, config=MOE_TOML)
+    plan = json.loads((ao.folder / "precision_plan.json").read_text())
+    w1 = plan["layers.0.moe.routed_experts.inner_experts.w1"]
+    assert w1["module"] == "torchao MXFP8GroupedExperts (mxfp8_emulated_rceil)", w1["module"]
+    assert set(w1["backends"].values()) == {"torchao_emulated"}
+    assert set(ao.losses) == set(ours.losses) == {1, 2, 3}
+    for s in ao.losses:  # the same casts; torchao's GEMMs round their outputs to bf16
+        assert abs(ao.losses[s] - ours.losses[s]) < 0.01, (ao.losses, ours.losses)
