@@ -49,6 +49,12 @@ def _operand_dims(shape, operand: str) -> tuple[int, int]:
     return {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}[operand]
 
 
+def contraction(shape, gemm: str) -> tuple[str, int]:
+    """(name, size) of the contraction dim of one GEMM of an attention product (``head_dim`` / ``seq_len``)."""
+    operand, axis = {"forward": ("input", -1), "dgrad": ("grad_output", -1), "wgrad": ("input", 0)}[gemm]
+    return OPERANDS[shape.product][operand][1][axis], _operand_dims(shape, operand)[axis]
+
+
 def check_product_shapes(specs: tuple, fqn: str, shape, where_of) -> None:
     """Block and tile sizes of an attention product against its head_dim and sequence length.
 

@@ -18,6 +18,7 @@ from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLES
 from low_bits_training.nn.roles import operand_problem
 
+from .attention import contraction
 from .tree import ConfigError
 
 _OPTIONS = ("rht", "source", "amax_history")
@@ -25,6 +26,8 @@ _OPTIONS = ("rht", "source", "amax_history")
 
 def _contraction(gemm: str, shape) -> tuple[str, int]:
     """(name, size) of a GEMM's contraction dim for a layer of this shape (tokens: the sequence length)."""
+    if shape.product:  # an attention product: head_dim or seq_len (config/attention.py)
+        return contraction(shape, gemm)
     return {
         "forward": ("in_features", shape.in_features),
         "dgrad": ("out_features", shape.out_features),

@@ -122,3 +122,15 @@ def test_a_glob_for_products_that_are_not_there_is_refused():
     linears = {f: s for f, s in layers().items() if not s.product}
     with pytest.raises(ConfigError, match=r"quantize.rules\[0\].layers: '\*.qk' matches no linear layer"):
         resolve_plan(QuantizeConfig(rules=[QuantRule(layers=["*.qk"], format="e4m3")]), linears)
+
+
+def test_rht_errors_name_the_attention_dim():
+    rule = QuantRule(layers=["*.qk"], roles=["forward.*"], format="e4m3", scaling="tensor", rht=128)
+    with pytest.raises(ConfigError, match=r"layers.0.attention.qk forward.input: rht = 128 does not divide the "
+                       r"forward GEMM's contraction dim \(head_dim 64\)"):  # fmt: skip
+        resolve_plan(QuantizeConfig(rules=[rule]), layers())
+    rule = QuantRule(layers=["*.pv"], roles=["wgrad.*"], format="e4m3", scaling="tensor", rht=16)
+    assert (
+        resolve_plan(QuantizeConfig(rules=[rule]), layers())["layers.0.attention.pv"].spec("wgrad.input").rht
+        == 16
+    )

@@ -95,6 +95,30 @@ def test_high_precision_plan_is_sdpa(case):
         torch.testing.assert_close(g, w, msg=lambda m, n=name: f"{case} {n}: {m}")  # fp32 rounding
 
 
+def test_rht_cancels_in_every_gemm():
+    """An RHT along each GEMM's contraction dim (head_dim or seq_len) on both operands, fp32 elements: the
+    rotation cancels, so the result is SDPA's to fp32 rounding."""
+    rot = dataclasses.replace(QuantSpec("fp32", "none"), rht=16, rht_seed=3)
+    plan = _plan(rot, rot)
+    q, k, v, do = operands()
+    want = _grads(_sdpa(), q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), _grads(_ours(plan), q, k, v, do), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_backward_casts_from_the_forward_cast():
+    """``source = "forward"`` on dgrad.weight / wgrad.input (K, Q; V^T, P) reads the saved forward cast: with
+    tensor scales that is the cast the backward would make itself, so the bits are the same."""
+    fwd = {r: dataclasses.replace(E4M3, source="forward") for r in ("dgrad.weight", "wgrad.input")}
+    others = ("forward.input", "forward.weight", "dgrad.grad_output", "wgrad.grad_output")
+    kept = LinearPlan.from_roles({**dict.fromkeys(others, E4M3), **fwd})
+    assert kept.saved_casts == ("forward.weight", "forward.input")
+    q, k, v, do = operands()
+    want = _grads(_ours(PLANS["e4m3"]), q, k, v, do)
+    got = _grads(_ours(AttentionPlan(qk=kept, pv=kept)), q, k, v, do)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_sqnr_against_fp64(name, dtype):
