@@ -265,3 +265,47 @@ def _truncate_largest(folder: Path) -> None:
 def test_checkpoints_that_cannot_be_resumed(tmp_path, previous_run, args, damage, nproc, expect):
     line = _refused(tmp_path, previous_run, *RUN, *args, code=4, damage=damage, nproc=nproc, expect=expect)
     assert line.startswith("low-bits-training: checkpoint refused: checkpoint ")
+
+
+# --- [quantize.comm]: low-bit collectives need FSDP2's (docs/communication.md) --------------------------------
+
+FP8_WIRE = {"format": "e4m3", "scaling": "tensor"}
+COMM_CASES = [
+    (
+        {"all_gather": FP8_WIRE},
+        1,
+        (),
+        "quantize.comm.all_gather.format = 'e4m3': parallelism.data_parallel_shard_degree = 1, so FSDP2 shards "
+        "nothing",
+    ),
+    (
+        {"reduce_scatter": FP8_WIRE},
+        2,
+        ("--parallelism.tensor_parallel_degree", "2"),
+        "quantize.comm: tensor_parallel_degree = 2, expert_parallel_degree = 1: low-bit collectives are FSDP2's",
+    ),
+    (
+        {"reduce_scatter": FP8_WIRE},
+        2,
+        ("--parallelism.data_parallel_replicate_degree", "2"),
+        "quantize.comm.reduce_scatter: data_parallel_replicate_degree = 2: FSDP2 all-reduces replicated",
+    ),
+    ({"reduce_scatter": {"format": "e9m9"}}, 2, (), "quantize.comm.reduce_scatter: unknown format 'e9m9'"),
+    ({"all_gather": {"format": "e4m3", "scaling": "diagonal"}}, 2, (), "quantize.comm.all_gather.scaling = 'diagonal'"),
+]  # fmt: skip
+COMM_IDS = ["no-sharding", "tensor-parallel", "replicated-grads", "unknown-format", "bad-scaling"]
+
+
+@pytest.mark.parametrize("comm, nproc, args, expect", COMM_CASES, ids=COMM_IDS)
+def test_comm_formats_without_their_collective_are_refused(tmp, comm, nproc, args, expect):
+    path = write_toml(tmp / "comm.toml", quantize={"recipe": "bf16", "comm": comm})
+    with pytest.raises(ConfigError) as e:
+        check_run(build_config(["--config-file", str(path), *args]), world_size=nproc)
+    assert str(e.value).startswith(expect) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_comm_formats_on_one_rank_through_the_launcher(tmp_path, previous_run):
+    comm, nproc, args, expect = COMM_CASES[0]
+    cfg = _toml(tmp_path, quantize={"recipe": "bf16", "comm": comm})
+    _refused(tmp_path, previous_run, *RUN, *args, config=cfg, nproc=nproc, expect=expect)

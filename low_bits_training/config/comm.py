@@ -90,7 +90,28 @@ def wire_spec(wire: WireFormat, collective: str) -> QuantSpec | None:
             rounding=wire.rounding,
         )
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
+        msg = str(e).splitlines()[0]
+        named = msg.replace("QuantSpec.", f"{where}.")  # the field's TOML key, when the message names one
+        raise ConfigError(named if named != msg else f"{where}: {msg}") from None
+
+
+def check_shard_degree(cfg: CommConfig, dp_shard: int) -> None:
+    """``[quantize.comm]`` needs FSDP2's collectives: data-parallel sharding over more than one rank.
+
+    Args:
+        cfg: the section.
+        dp_shard: ``data_parallel_shard_degree`` once -1 is filled in from the process count.
+
+    Raises:
+        ConfigError: a low-bit format is asked for and FSDP2 shards nothing (one rank, or DDP / TP / PP only).
+    """
+    asked = [c for c in ("all_gather", "reduce_scatter") if getattr(cfg, c).format != HIGH]
+    if asked and dp_shard <= 1:
+        raise ConfigError(
+            f"quantize.comm.{asked[0]}.format = {getattr(cfg, asked[0]).format!r}: "
+            f"parallelism.data_parallel_shard_degree = {dp_shard}, so FSDP2 shards nothing and there is no "
+            "all-gather / reduce-scatter to carry it; allowed: data_parallel_shard_degree > 1, or 'high'"
+        )
 
 
 def wire_bytes(numel: int, rows: int, spec: QuantSpec | None, hp_bytes: int) -> int:
@@ -105,6 +126,11 @@ def wire_bytes(numel: int, rows: int, spec: QuantSpec | None, hp_bytes: int) -> 
 
     if spec is None:
         return numel * hp_bytes
-    groups = {"tensor": 1, "axis": rows, "block": numel // spec.block_size, "tile": numel // spec.block_size**2}
+    groups = {
+        "tensor": 1,
+        "axis": rows,
+        "block": numel // spec.block_size,
+        "tile": numel // spec.block_size**2,
+    }
     codes = -(-numel // 2) if spec.elem.bits <= 4 else numel
     return codes + groups[spec.scaling] * -(-get_format(spec.scale_format).bits // 8)

@@ -78,6 +78,21 @@ class WireAllGather(_Alloc, AllGather):
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+class CountingAllGather(_Alloc, AllGather):
+    """All-gather left as it is, counted: torchao's Float8 weights already travel in fp8 (their
+    ``fsdp_pre_all_gather``), so the payload is what goes on the wire; ``hp`` is what the same shards take in
+    the param dtype (torchao's separate scale all-reduce is not counted)."""
+
+    def __init__(self, hp: int):
+        self.hp = hp  # bytes of this rank's shards in the param dtype
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        ws = group.size()
+        BYTES["all_gather"][0] += (ws - 1) * input_tensor.numel() * input_tensor.element_size()
+        BYTES["all_gather"][1] += (ws - 1) * self.hp
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
 class WireReduceScatter(_Alloc, ReduceScatter):
     """Reduce-scatter whose every (parameter, destination rank) chunk is quantized before the sum."""
 
@@ -135,6 +150,11 @@ def _all_gather_params(cfg: CommConfig, spec: QuantSpec, params) -> list:
     return out
 
 
+def _param_bytes(fp) -> int:
+    dtype = fp.param_dtype or fp.orig_dtype  # FSDP2's all-gather dtype without torchao's extension
+    return fp.padded_sharded_param_size.numel() * dtype.itemsize
+
+
 def install(model: torch.nn.Module, cfg: CommConfig) -> int:
     """Give every FSDP2 unit of ``model`` the low-bit collectives ``cfg`` asks for.
 
@@ -150,7 +170,9 @@ def install(model: torch.nn.Module, cfg: CommConfig) -> int:
         if pg.mesh_info.shard_mesh_size <= 1:
             continue
         torchao_fp8 = any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for _, fp in params)
-        if ag is not None and not torchao_fp8:  # torchao's Float8 weights already all-gather in fp8
+        if ag is not None and torchao_fp8:  # torchao's Float8 weights already all-gather in fp8
+            mod.set_custom_all_gather(CountingAllGather(sum(_param_bytes(fp) for _, fp in params)))
+        elif ag is not None:
             mod.set_custom_all_gather(WireAllGather(_all_gather_params(cfg, ag, params)))
         if rs is not None:
             chunks = [(fqn, fp.padded_sharded_param_size.numel()) for fqn, fp in params]
@@ -201,11 +223,17 @@ def apply_comm(config, plans: dict) -> None:
     if ag is None and rs is None:
         return
     _check_parallelism(config.parallelism, rs is not None)
-    if ag == QuantSpec("e4m3", "tensor") and _all_float8_tensorwise(plans):
+    if _is_torchao_fp8(ag) and _all_float8_tensorwise(plans):
         config.quantize.torchao.enable_fsdp_float8_all_gather = True
     spec = config.model_spec
     if not getattr(spec.parallelize_fn, "__lbt_wire_collectives__", False):
         spec.parallelize_fn = with_wire_collectives(spec.parallelize_fn, cfg)
+
+
+def _is_torchao_fp8(spec: QuantSpec | None) -> bool:
+    """The wire format of torchao's fp8 all-gather: e4m3, one fp32 scale amax / 448 per tensor, nearest."""
+    torchao = QuantSpec("e4m3", "tensor")
+    return spec is not None and spec == dataclasses.replace(torchao, block_size=spec.block_size)
 
 
 def _all_float8_tensorwise(plans: dict) -> bool:

@@ -150,6 +150,20 @@ def check_sequence(config: Any, layout: Layout) -> None:
         )
 
 
+def check_comm(config: Any, layout: Layout) -> None:
+    """``[quantize.comm]`` against the resolved degrees (its formats and the other degrees were checked when
+    the config was built, ``titan.comm.apply_comm``).
+
+    Raises:
+        ConfigError: low-bit collectives without FSDP2 sharding (``config.comm.check_shard_degree``).
+    """
+    from low_bits_training.config.comm import check_shard_degree
+
+    quantize = getattr(config, "quantize", None)
+    if quantize is not None:
+        check_shard_degree(quantize.comm, layout.dp_shard)
+
+
 def model_as_trained(config: Any) -> Any:
     """A copy of the model config as the trainer will hold it (after ``update_from_config``).
 
@@ -200,5 +214,6 @@ def check_run(config: Any, world_size: int) -> str | None:
     check_ranges(config)
     layout = parallel_layout(config, world_size)
     check_sequence(config, layout)
+    check_comm(config, layout)
     model = model_as_trained(config)
     return preflight(config, trained_fingerprint(config, model), layout.data_ranks)
