@@ -61,11 +61,19 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
     The same resolution the launcher applies (``titan.quantize.plan_on``); linears a base's torchtitan
     converter swapped are ``torchtitan``.
     """
+    from low_bits_training.titan.attention import attention_layers, product_module_label
     from low_bits_training.titan.moe import expert_layers, grouped_module_label
     from low_bits_training.titan.quantize import converted_linears, plan_module_label, plan_on
 
-    plans, experts = plan_on(config, hw, quantize), expert_layers(config.model_spec.model)
-    label = lambda fqn, p: grouped_module_label(p) if fqn in experts else plan_module_label(p)  # noqa: E731
+    model = config.model_spec.model
+    plans, experts = plan_on(config, hw, quantize), expert_layers(model)
+    products = attention_layers(model, config.training.seq_len)
+
+    def label(fqn: str, p) -> str:
+        if fqn in experts:
+            return grouped_module_label(p)
+        return product_module_label(plans, fqn) if fqn in products else plan_module_label(p)
+
     out = {fqn: (label(fqn, p), tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in plans.items()}
     for fqn, label in converted_linears(config.model_spec.model).items():
         out[fqn] = (label, ("torchtitan",) * len(GEMMS))
@@ -92,7 +100,10 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
     Raises:
         ConfigError: the plan does not resolve (see ``config.plan.resolve_plan``).
     """
-    rows = layer_backends(config, hw, quantize)
+    from low_bits_training.titan.attention import UNCHANGED
+
+    # attention the plan leaves alone is not listed (it runs as it would without this package)
+    rows = {f: r for f, r in layer_backends(config, hw, quantize).items() if r[0] != UNCHANGED}
     counts = Counter((label, "/".join(dict.fromkeys(b))) for label, b in rows.values())
     detail = f"on {hw}: " + "; ".join(f"{n} x {label} [{b}]" for (label, b), n in counts.items())
     if any(b in _SLOW for _, bs in rows.values() for b in bs):

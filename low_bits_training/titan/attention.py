@@ -88,13 +88,25 @@ def attention_layers(model_config, seq_len: int) -> dict[str, LayerShape]:
     return out
 
 
+UNCHANGED = "FlexAttention"
+"""The module label of attention the plan leaves alone (FlexAttention, or the CPU adapter's dense-mask one)."""
+
+
+def product_module_label(plans: dict[str, LinearPlan], fqn: str) -> str:
+    """What ``convert_attention`` builds for the module of product ``fqn`` under the resolved ``plans``
+    (plan table, lbt-doctor): ``QuantAttention`` where either product of the module is quantized."""
+    base = fqn.rsplit(".", 1)[0]
+    mine = [plans[f"{base}.{n}"] for n in PRODUCTS if f"{base}.{n}" in plans]
+    return UNCHANGED if all(p.is_high_precision for p in mine) else "QuantAttention"
+
+
 def attention_plans(model_config) -> dict[str, tuple[LinearPlan, str]]:
     """Every product's plan as it stands in the model config tree, and the module that runs it."""
     out = {}
     for fqn, cfg in _attentions(model_config):
         inner = cfg.inner_attention
         plans = getattr(inner, "plans", {})
-        label = "QuantAttention" if plans else type(inner).__qualname__.split(".")[0]
+        label = "QuantAttention" if plans else UNCHANGED
         out.update({f"{fqn}.{n}": (plans.get(n, LinearPlan()), label) for n in PRODUCTS})
     return out
 

@@ -203,9 +203,18 @@ def test_compile_against_the_backends(clean_env):
 
 
 def _built_modules(config) -> dict[str, str]:
+    from torchtitan.models.common.attention import FlexAttention
+
     with torch.device("meta"):
         model = config.model_spec.model.build()
-    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    out = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    # the attention products, <attention fqn>.qk / .pv (titan/attention.py): FlexAttention, the CPU adapter's
+    # DenseMaskAttention or QuantFlexAttention
+    for n, m in model.named_modules():
+        if isinstance(m, FlexAttention):
+            kind = "QuantFlexAttention" if type(m).__name__ == "QuantFlexAttention" else "FlexAttention"
+            out.update({f"{n.removesuffix('.inner_attention')}.{p}": kind for p in ("qk", "pv")})
+    return out
 
 
 MODULE_CLASS = {  # plan-table label (first word(s)) -> the class the trainer builds
@@ -214,10 +223,13 @@ MODULE_CLASS = {  # plan-table label (first word(s)) -> the class the trainer bu
     "torchao Float8Linear": "TorchaoFloat8Linear",
     "torchao MXFP8Linear": "TorchaoMXFP8Linear",
     "torchtitan Float8Linear": "Float8Linear",
+    "FlexAttention": "FlexAttention",
+    "QuantAttention": "QuantFlexAttention",
 }
 
 
 MIXED = [{"layers": ["layers.1.*"], "roles": ["dgrad.grad_output"], "rounding": "stochastic"}]
+ATTENTION = [{"layers": ["layers.[12].attention.qk"], "format": "e4m3", "scaling": "tensor"}]
 
 
 @pytest.mark.parametrize(
@@ -233,8 +245,9 @@ MIXED = [{"layers": ["layers.1.*"], "roles": ["dgrad.grad_output"], "rounding": 
             None,
         ),
         ({"recipe": "mxfp8"}, "tests.titan.converted_base:debugmodel_float8_attention_only"),
+        ({"recipe": "fp8_rowwise", "backend": "torchao", "rules": [*MIXED, *ATTENTION]}, None),
     ],
-    ids=["torchao-fp8-mixed", "torchao-mxfp8-mixed", "torchtitan-converted-base"],
+    ids=["torchao-fp8-mixed", "torchao-mxfp8-mixed", "torchtitan-converted-base", "with-attention"],
 )
 def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch, quantize, base):
     from low_bits_training.cli.config_checks import layer_backends, resolve_run

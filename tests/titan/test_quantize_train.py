@@ -169,6 +169,7 @@ def test_base_with_torchtitan_converters_works_with_quantize(tmp_path):
 )
 def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, want):
     from low_bits_training.config.backends import Hardware, gemm_backend
+    from low_bits_training.titan.attention import attention_layers
     from low_bits_training.titan.configure import load_config
     from low_bits_training.titan.quantize import plan_on
 
@@ -176,5 +177,7 @@ def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, 
     assert config.compile.enable and "model" in config.compile.components
     assert config.quantize.backend == "auto"
     plans = plan_on(config, Hardware("cuda", gpu))
-    backends = {gemm_backend(p, "forward") for f, p in plans.items() if f != "lm_head"}
+    attention = attention_layers(config.model_spec.model, config.training.seq_len)  # high: no rule names them
+    assert all(plans[f].is_high_precision for f in attention)
+    backends = {gemm_backend(p, "forward") for f, p in plans.items() if f != "lm_head" and f not in attention}
     assert backends == {want} and gemm_backend(plans["lm_head"], "forward") == "high"
