@@ -80,16 +80,16 @@ class WireAllGather(_Alloc, AllGather):
 
 class CountingAllGather(_Alloc, AllGather):
     """All-gather left as it is, counted: torchao's Float8 weights already travel in fp8 (their
-    ``fsdp_pre_all_gather``), so the payload is what goes on the wire; ``hp`` is what the same shards take in
-    the param dtype (torchao's separate scale all-reduce is not counted)."""
+    ``fsdp_pre_all_gather``), so the payload is what goes on the wire; the high-precision count is the same
+    shards in FSDP2's param dtype (torchao's separate scale all-reduce is not counted)."""
 
-    def __init__(self, hp: int):
-        self.hp = hp  # bytes of this rank's shards in the param dtype
+    def __init__(self, fsdp_params: list):
+        self.fsdp_params = fsdp_params  # the group's FSDPParams (their dtypes are set at FSDP2's lazy init)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         ws = group.size()
         BYTES["all_gather"][0] += (ws - 1) * input_tensor.numel() * input_tensor.element_size()
-        BYTES["all_gather"][1] += (ws - 1) * self.hp
+        BYTES["all_gather"][1] += (ws - 1) * sum(_param_bytes(fp) for fp in self.fsdp_params)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -171,7 +171,7 @@ def install(model: torch.nn.Module, cfg: CommConfig) -> int:
             continue
         torchao_fp8 = any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for _, fp in params)
         if ag is not None and torchao_fp8:  # torchao's Float8 weights already all-gather in fp8
-            mod.set_custom_all_gather(CountingAllGather(sum(_param_bytes(fp) for _, fp in params)))
+            mod.set_custom_all_gather(CountingAllGather([fp for _, fp in params]))
         elif ag is not None:
             mod.set_custom_all_gather(WireAllGather(_all_gather_params(cfg, ag, params)))
         if rs is not None:
