@@ -104,7 +104,10 @@ def test_debug_model_trains_with_fp8_attention(tmp_path):
     loss = fp8.losses
     assert sorted(loss) == list(range(1, 11))
     assert loss[10] < loss[1] - 1.0, loss
-    assert abs(loss[10] - base[10]) < 0.1, (loss, base)  # fp8 attention + fp8 linears vs fp32: close
+    # fp8 attention + fp8 linears against the fp32 run: the mean of the last three steps (single steps of a
+    # batch of 2 x 128 tokens scatter by ~0.2) within 0.15 (measured: 6.81 vs 6.83)
+    last = [8, 9, 10]
+    assert abs(sum(loss[s] - base[s] for s in last) / 3) < 0.15, (loss, base)
     table = (fp8.folder / "precision_plan.txt").read_text()
     assert "layers.[0-5].attention.qk  QuantAttention" in table, table
 
