@@ -1,7 +1,10 @@
 """Every recipe's QuantLinear compiles with fullgraph=True and computes what eager computes, bit for bit.
 
-One model holds one layer per recipe, so one compilation covers them all; the probes (statistics and
-non-finite flags) and the stochastic-rounding keys run inside the graph too.
+One model holds one layer per recipe of a covering set, so one compilation covers them all; the probes
+(statistics and non-finite flags) and the stochastic-rounding keys run inside the graph too. The other recipes
+are variants whose every operand feature (scaling, scale format, rounding, RHT, 4over6, delayed scaling, cast
+source, two-level scale) appears in the covering set (asserted below), so a recipe that brings a new feature
+fails that test until it joins the set; tests/nn/test_operand_options.py compiles every option value as well.
 """
 
 import pytest
@@ -11,7 +14,36 @@ from torch import nn
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, probe, rng
 
-QUANTIZED = [r for r in RECIPES if r != "bf16"]
+QUANTIZED = [
+    "fp8_tensorwise", "fp8_rowwise", "deepseek_fp8", "int8", "fp8_delayed",
+    "mxfp8", "mxfp8_2d_weights", "mxfp4", "nvfp4", "nvfp4_4over6",
+]  # fmt: skip
+"""The covering set compiled here (one model; compile time grows with each layer)."""
+
+
+def _features(recipe: str) -> set[tuple]:
+    """What a recipe's casts do, format constants left out: one tuple per quantized operand role."""
+    return {
+        (
+            s.scaling,
+            s.scale_format,
+            s.rounding,
+            s.rht > 0,
+            s.four_over_six,
+            s.amax_history > 0,
+            s.source,
+            s.tensor_scale,
+            s.format.startswith("int"),
+        )  # fmt: skip
+        for s in RECIPES[recipe].values()
+        if s is not None
+    }
+
+
+def test_the_compiled_recipes_cover_every_recipe_feature():
+    covered = set().union(*(_features(r) for r in QUANTIZED))
+    for r in RECIPES:
+        assert _features(r) <= covered, f"recipe {r} uses {_features(r) - covered}: add it to QUANTIZED"
 
 
 def _model() -> nn.Sequential:

@@ -1,25 +1,43 @@
 """The real fp8 kernel (``torch._scaled_mm``, CPU here) against the emulation, and against torch's own casts.
 
 Stated bound: on CPU the real and emulated GEMMs agree bit for bit (forward, grad_input, grad_weight; fp32
-and bf16 inputs). ``torch._scaled_mm`` on CPU dequantizes and accumulates in fp32 like the emulation does.
+and bf16 inputs) wherever the scales are powers of two (rowwise rceil recipes, tensorwise with rceil). With
+fp32 tensor scales the e4m3 x e4m3 forward GEMM differs in the last bit (within 4e-7 of the largest output in
+fp32; the CPU kernel applies the scales in another order); grad_input and grad_weight stay bit for bit.
 """
+
+import dataclasses
 
 import pytest
 import torch
 from nn_helpers import linear_grads, operands, plan_for
 
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import kernels
+from low_bits_training.nn import LinearPlan, kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_hp_wgrad"])
+@pytest.mark.parametrize(
+    "recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_hp_wgrad", "fp8_tensorwise_rceil"]
+)
 def test_real_equals_emulate(recipe, dtype):
+    plan = plan_for(recipe.removesuffix("_rceil"))
+    if recipe.endswith("_rceil"):  # power-of-two tensor scales
+        plan = LinearPlan(
+            tuple(dataclasses.replace(s, scale_rounding="rceil") for s in plan.specs), plan.backends
+        )
+    real_plan = LinearPlan(plan.specs, ("real",) * 3)
     for seed in range(2):
         x, w, dy = operands(m=192, k=320, n=256, dtype=dtype, seed=seed)
-        emu = linear_grads(x, w, dy, plan_for(recipe, "emulate"))
-        real = linear_grads(x, w, dy, plan_for(recipe, "real"))
+        emu, real = linear_grads(x, w, dy, plan), linear_grads(x, w, dy, real_plan)
         for name, a, b in zip(("output", "grad_input", "grad_weight"), real, emu, strict=True):
+            if recipe == "fp8_tensorwise" and name == "output":
+                # e4m3 x e4m3 with fp32 (not power-of-two) scales: the CPU kernel applies the two scales in
+                # another order than the emulation's (q_a s_a)(q_b s_b) products: last-bit differences.
+                rel = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                assert rel < (4e-7 if dtype == torch.float32 else 1e-3), f"{recipe} {dtype} {name}: {rel}"
+                assert (a != b).float().mean() < (1.0 if dtype == torch.float32 else 1e-3)
+                continue
             assert torch.equal(a, b), f"{recipe} {dtype} {name}: max diff {(a - b).abs().max()}"
 
 
