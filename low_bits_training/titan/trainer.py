@@ -14,6 +14,7 @@ from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
 from low_bits_training.titan.checkpoint import fingerprint
 from low_bits_training.titan.comm import log_comm_bytes
+from low_bits_training.titan.delayed import install as install_amax_group
 from low_bits_training.titan.numerics import NumericsConfig, extras_for, quant_layers
 from low_bits_training.titan.profiling import ProfilingConfig
 from low_bits_training.titan.schedule import install as install_schedule
@@ -57,6 +58,7 @@ class LowBitsTrainer(Trainer):
         for fqn, layer in quant_layers(self.model_parts):  # each layer rounds with its own random bits
             layer.set_name(fqn)
         self._lbt_schedule = install_schedule(self)  # [[quantize.phases]], [quantize.eval]: titan/schedule.py
+        install_amax_group(self)  # delayed scaling: one amax history on every data rank (titan/delayed.py)
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
