@@ -15,9 +15,15 @@ collective on the dequantized values; the result is what the receiver of the low
   scale per parameter chunk, or blocks along it) with counter-based stochastic rounding keyed by (step,
   microbatch, rank, parameter); the chunks are summed in FSDP2's reduce dtype.
 
+- torchao's fp8 all-gather (``apply_comm`` switches it on where the plan's torchao layers are all tensorwise
+  Float8Linear and the wire is e4m3 tensorwise): the units whose weights carry torchao's
+  ``fsdp_pre_all_gather`` keep FSDP2's own all-gather, wrapped only to count its real payload
+  (``CountingAllGather``).
+
 Bytes: every call adds what this rank receives (codes + scales, ``config.comm.wire_bytes``) and what the
 same collective moves in its own dtype; ``log_comm_bytes`` writes them per step into the metrics
-(``comm/all_gather_bytes``, ``comm/all_gather_bytes_hp``, ``comm/reduce_scatter_bytes``, ...).
+(``comm/all_gather_bytes``, ``comm/all_gather_bytes_hp``, ``comm/reduce_scatter_bytes``, ...). See
+docs/communication.md.
 """
 
 from __future__ import annotations
