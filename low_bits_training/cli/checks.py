@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from low_bits_training.config.secrets import wandb_credentials
+
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED = {"torch": "2.14.1", "torchtitan": "0.3.0", "torchao": "0.18.0"}
 MIN_NCCL = (2, 23, 4)  # older NCCL segfaults on H100
@@ -147,15 +149,12 @@ def check_gpu_count(env: Mapping[str, str]) -> Check:
 
 
 def check_wandb(env: Mapping[str, str], enabled_in_config: bool = False) -> Check:
-    """W&B credentials, judged by the launcher's own test (``titan.configure.wandb_configured``: an API key,
+    """W&B credentials, judged by the launcher's own test (``config.secrets.wandb_credentials``: an API key,
     ``WANDB_MODE`` or a netrc entry; the key is never shown): missing is a WARN (metrics still go to
     metrics.jsonl), a FAIL if the config asks for W&B."""
-    from low_bits_training.titan.configure import wandb_configured
-
-    if wandb_configured(dict(env)):
-        return Check(
-            "wandb", "OK", "configured (WANDB_API_KEY, WANDB_MODE or a netrc entry for api.wandb.ai)"
-        )
+    source = wandb_credentials(env)
+    if source is not None:
+        return Check("wandb", "OK", f"configured ({source})")
     status: Status = "FAIL" if enabled_in_config else "WARN"
     why = (
         "metrics.enable_wandb is set" if enabled_in_config else "metrics go to metrics.jsonl/TensorBoard only"

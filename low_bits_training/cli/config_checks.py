@@ -172,13 +172,13 @@ def glob_exists(path: str) -> bool:
 
 def check_tokenizer(config: Any) -> Check:
     """Where the tokenizer is (the launcher's validation already refused a folder without one)."""
-    from low_bits_training.titan.datasets import _TOKENIZER_FILES  # the launcher's list: one home
+    from low_bits_training.titan.datasets import TOKENIZER_FILES, tokenizer_file  # the launcher's: one home
 
     path = Path(config.hf_assets_path)
-    found = next((path / f for f in _TOKENIZER_FILES if (path / f).is_file()), None)
+    found = tokenizer_file(path)
     if found is None:  # unreachable after build_config; kept so a future loader change cannot pass silently
         return Check(
-            "tokenizer", "FAIL", f"hf_assets_path = {str(path)!r}: none of {', '.join(_TOKENIZER_FILES)}"
+            "tokenizer", "FAIL", f"hf_assets_path = {str(path)!r}: none of {', '.join(TOKENIZER_FILES)}"
         )
     return Check("tokenizer", "OK", str(found))
 

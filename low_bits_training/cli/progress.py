@@ -6,45 +6,16 @@ On a terminal it is a ``rich`` live display; in a log file (not a terminal) one 
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from low_bits_training.config.runfolder import CONFIG_JSON, METRICS_FILE
-
-LOSS = "loss_metrics/global_avg_loss"
-
-
-def last_row(path: Path, tail: int = 8192) -> dict[str, Any] | None:
-    """The last complete JSON line of a JSONL file (reads only its tail), or None."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - tail))
-            lines = f.read().decode(errors="ignore").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written, or cut by the tail
-    return None
-
-
-def total_steps(folder: Path) -> int | None:
-    """``training.steps`` of a run that has started (its ``config.json``), or None."""
-    try:
-        return int(json.loads((folder / CONFIG_JSON).read_text())["training"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+from low_bits_training.config.runfolder import LOSS, METRICS_FILE, read_last_row, read_total_steps
 
 
 def eta_seconds(elapsed: float, done: float, total: int) -> float:
@@ -100,10 +71,10 @@ class SweepProgress:
         """Read the running point's last logged step and loss (and its step count once it has started)."""
         if self.folder is None:
             return
-        row = last_row(self.folder / METRICS_FILE)
+        row = read_last_row(self.folder / METRICS_FILE)
         if row is not None:
             self.step, self.loss = row.get("step"), row.get(LOSS, self.loss)
-        self.steps = self.steps or total_steps(self.folder)
+        self.steps = self.steps or read_total_steps(self.folder)
         self._refresh()
 
     def finish(self, returncode: int) -> None:

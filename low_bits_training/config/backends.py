@@ -18,16 +18,21 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
 from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
 
-BACKEND_SETTINGS = ("emulate", "torchao", "auto")
+BackendSetting = Literal["emulate", "torchao", "auto"]
 """``[quantize] backend``: emulate (ours everywhere), torchao (torchao's module for every layer whose plan it
 has: its kernel where the device has one, else its emulated mode), auto (torchao where the device has the
 kernel, ours elsewhere)."""
+BACKEND_SETTINGS: tuple[str, ...] = get_args(BackendSetting)
+REAL_RETIRED = (
+    "the hand-written _scaled_mm backend is a Python-only reference now; real kernels come from torchao"
+)
+"""Said when a config asks for the retired backend setting ``real``."""
 GemmBackend = Literal["high", "emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
 TORCHAO_BACKENDS = ("torchao", "torchao_emulated")
 
@@ -165,19 +170,12 @@ def gemm_backend(plan: LinearPlan, gemm: str) -> GemmBackend:
     return backend
 
 
-def check_backend_setting(backend: str, hw: Hardware) -> None:
-    """``[quantize] backend`` is one of ``BACKEND_SETTINGS`` and can run here.
+def check_backend_setting(backend: BackendSetting, hw: Hardware) -> None:
+    """``[quantize] backend`` can run here (``QuantizeConfig`` already holds one of ``BACKEND_SETTINGS``).
 
     Raises:
-        ConfigError: an unknown value (``real`` with a pointer to its replacement), or ``torchao`` without
-            torchao installed.
+        ConfigError: ``torchao`` without torchao installed.
     """
-    if backend not in BACKEND_SETTINGS:
-        why = " (the hand-written _scaled_mm backend is a Python-only reference now; real kernels come from torchao)"
-        raise ConfigError(
-            f"quantize.backend = {backend!r}: expected one of {', '.join(BACKEND_SETTINGS)}"
-            + (why if backend == "real" else "")
-        )
     if backend == "torchao" and not hw.torchao:
         raise ConfigError("quantize.backend = 'torchao': torchao is not installed; use 'emulate' or 'auto'")
 

@@ -11,16 +11,37 @@ import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
 
 from low_bits_training.config.comm import CommConfig
+from low_bits_training.config.section import AtLeast, Retired, Section
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec, check_divisible
+from low_bits_training.formats.spec import (
+    AmaxCompute,
+    FourOverSix,
+    InfAmax,
+    RoundingMode,
+    ScaleFormat,
+    ScaleMin,
+    ScaleRounding,
+    Scaling,
+    Source,
+)
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan
 
 from .attention import check_product_shapes, named_products
-from .backends import Hardware, TorchaoOptions, check_backend_setting, check_torchao_options, layer_backends
+from .backends import (
+    REAL_RETIRED,
+    BackendSetting,
+    Hardware,
+    TorchaoOptions,
+    check_backend_setting,
+    check_torchao_options,
+    layer_backends,
+)
 from .operand_options import check_layer_options
-from .recipes import RECIPES
+from .recipes import RECIPES, RecipeName
 
 HIGH = "high"
 _SPEC_FIELDS = (
@@ -44,16 +65,23 @@ _SPEC_FIELDS = (
 
 
 @dataclass(kw_only=True, slots=True)
-class QuantRule:
-    """``[[quantize.rules]]``: change some roles of some layers (applied after the recipe, in order)."""
+class QuantRule(Section):
+    """``[[quantize.rules]]``: change some roles of some layers (applied after the recipe, in order).
+
+    A ``Section``: each field is checked when the rule is built (as ``quantize.rules.<key>``; from TOML, and
+    inside a ``QuantizeConfig``, under its own index: ``quantize.rules[0].<key>``). What needs the layers or
+    the recipe (globs, first_n beyond the blocks, the specs it makes) is checked by ``resolve_plan``.
+    """
+
+    SECTION: ClassVar[str] = "quantize.rules"
 
     layers: list[str] = field(default_factory=list)
     """Globs over linear-layer FQNs (``layers.*.attention.*``, ``layers.0.*``, ``lm_head``). With first_n and
     last_n all empty the rule selects every layer. The attention products (``layers.*.attention.qk`` /
     ``.pv``) are reached only by a glob that matches no linear layer (``config.attention``)."""
-    first_n: int = 0
+    first_n: Annotated[int, AtLeast(0)] = 0
     """Also select every linear of the first N transformer blocks (``layers.0`` .. ``layers.N-1``)."""
-    last_n: int = 0
+    last_n: Annotated[int, AtLeast(0)] = 0
     """Also select every linear of the last N transformer blocks."""
     roles: list[str] = field(default_factory=lambda: ["*"])
     """Globs over roles: ``forward.input``, ``forward.weight``, ``dgrad.grad_output``, ``dgrad.weight``,
@@ -61,15 +89,15 @@ class QuantRule:
     format: str | None = None
     """Element format (``e4m3``, ``e2m1``, ``int8``, ...) or ``"high"`` for high precision. Unset: keep the
     current format and change only the fields given below."""
-    scaling: str | None = None
+    scaling: Scaling | None = None
     """QuantSpec.scaling: none | tensor | axis | block | tile (the axis is the GEMM's contraction dim)."""
-    block_size: int | None = None
+    block_size: Annotated[int | None, AtLeast(1)] = None
     """QuantSpec.block_size (block length / tile side)."""
-    scale_format: str | None = None
+    scale_format: ScaleFormat | None = None
     """QuantSpec.scale_format: fp32 | bf16 | e8m0 | ue4m3."""
-    scale_rounding: str | None = None
+    scale_rounding: ScaleRounding | None = None
     """QuantSpec.scale_rounding: exact | floor | ceil | rceil."""
-    rounding: str | None = None
+    rounding: RoundingMode | None = None
     """QuantSpec.rounding: nearest | stochastic | toward_zero."""
     saturate: bool | None = None
     """QuantSpec.saturate."""
@@ -77,31 +105,33 @@ class QuantRule:
     """QuantSpec.margin (power-of-two headroom)."""
     tensor_scale: bool | None = None
     """QuantSpec.tensor_scale (two-level scaling, NVFP4)."""
-    scale_min: str | None = None
+    scale_min: ScaleMin | None = None
     """QuantSpec.scale_min: subnormal | normal (smallest scale kept; "normal" is torchao's NVFP4 floor)."""
-    inf_amax: str | None = None
+    inf_amax: InfAmax | None = None
     """QuantSpec.inf_amax: keep | nan (a group with an infinite amax; "nan" is torchao's fp8 behaviour)."""
-    four_over_six: str | None = None
+    four_over_six: FourOverSix | None = None
     """QuantSpec.four_over_six: off | mse | mae (NVFP4 4over6 adaptive block scaling; e2m1 blocks/tiles)."""
-    amax_history: int | None = None
+    amax_history: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
-    amax_compute: str | None = None
+    amax_compute: AmaxCompute | None = None
     """QuantSpec.amax_compute: max | most_recent (delayed scaling: the amax taken from the history)."""
-    rht: int | None = None
+    rht: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.rht: 0 or the size of a random Hadamard transform along the GEMM's contraction dim (set it on
     both operands of a GEMM, e.g. roles = ["wgrad.*"])."""
-    rht_seed: int | None = None
+    rht_seed: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.rht_seed: seed of the RHT's sign vector."""
-    source: str | None = None
+    source: Source | None = None
     """QuantSpec.source: high | forward (dgrad.weight / wgrad.input cast from the forward GEMM's cast)."""
 
 
 @dataclass(kw_only=True, slots=True)
-class PlanChange:
+class PlanChange(Section):
     """``[quantize.eval]`` and the body of each ``[[quantize.phases]]`` entry: the ``[quantize]`` plan with
     the keys given here replaced; a key left out keeps the base's (config/schedule.py resolves it)."""
 
-    recipe: str | None = None
+    SECTION: ClassVar[str] = "quantize.eval"
+
+    recipe: RecipeName | None = None
     """The recipe of this plan (unset: ``[quantize] recipe``)."""
     rules: list[QuantRule] | None = None
     """Rules replacing ``[[quantize.rules]]`` in this plan (unset: the base's rules)."""
@@ -113,19 +143,27 @@ class PlanChange:
 class Phase(PlanChange):
     """``[[quantize.phases]]``: from ``start`` on, training uses this plan (until the next phase)."""
 
+    SECTION: ClassVar[str] = "quantize.phases"
+
     start: int | float = -1
     """Where the phase begins: an int counts the steps before it (900: from step 901 on), a float in [0, 1)
     is a fraction of ``training.steps`` (0.9 of 1000 steps: from step 901 on)."""
 
 
 @dataclass(kw_only=True, slots=True)
-class QuantizeConfig:
-    """``[quantize]``: which number format each GEMM operand of each linear layer uses."""
+class QuantizeConfig(Section):
+    """``[quantize]``: which number format each GEMM operand of each linear layer uses.
 
-    recipe: str = "bf16"
+    A ``Section``: every field, those of its rules, phases, eval plan and comm tables included, is checked
+    when it is built; ``resolve_plan`` checks what needs the model's layers and the hardware.
+    """
+
+    SECTION: ClassVar[str] = "quantize"
+
+    recipe: RecipeName = "bf16"
     """Named recipe for every layer: bf16 (no quantization), fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad,
     deepseek_fp8, mxfp8, mxfp6, mxfp4, nvfp4, int8 (see docs/precision_plan.md)."""
-    backend: str = "auto"
+    backend: Annotated[BackendSetting, Retired("real", REAL_RETIRED)] = "auto"
     """auto (torchao's module with its hardware kernel for every layer whose plan torchao has and whose
     device has the kernel, our emulation for the rest), torchao (torchao's module for every layer whose plan
     it has: its kernel where the device has one, else torchao's emulated mode), emulate (our fake-quantize +

@@ -1,112 +1,18 @@
-"""Named precision recipes: one line in ``[quantize] recipe = ...`` sets all six GEMM operand roles.
+"""``[quantize] recipe``: the recipe names a TOML file may give, and their role -> spec tables.
 
-Each recipe gives a spec per operand (input, weight, grad_output); the operand's spec is used in every GEMM
-it feeds, with the axis set to that GEMM's contraction dim (``nn.roles``). Conventions and their sources:
-
-- fp8_tensorwise: torchao ``Float8LinearConfig()`` default: e4m3 input/weight, e5m2 grad_output, one fp32
-  scale per tensor.
-- fp8_rowwise: torchao recipe "rowwise": e4m3 everywhere, one scale per row along the contraction dim,
-  power-of-two scales (``round_scales_to_power_of_2``: the dequant scale amax/max rounded up = "rceil").
-- fp8_rowwise_hp_wgrad: torchao "rowwise_with_gw_hp": forward rowwise e4m3; dgrad grad_output rowwise e4m3 and
-  weight tensorwise e4m3; the weight-gradient GEMM in high precision.
-- deepseek_fp8: DeepSeek-V3 tech report sec. 3.3: e4m3 everywhere, weights in 128x128 tiles, activations and
-  gradients in 1x128 blocks along the contraction dim, fp32 scales.
-- mxfp8 / mxfp6 / mxfp4: OCP MX v1.0: 1x32 blocks along the contraction dim, e8m0 scales. mxfp8 uses torchao's
-  training default scale rounding (RCEIL); mxfp6 / mxfp4 the spec's floor rule. mxfp6: e2m3 for input/weight,
-  e3m2 (more range) for gradients.
-- nvfp4: NVIDIA's NVFP4 training recipe (arXiv 2509.25149 sec. 4; Transformer Engine's NVFP4BlockScaling):
-  e2m1, 1x16 blocks with ue4m3 scales under an fp32 tensor scale; weights in 16x16 tiles (so W and W^T share
-  one quantization); a 16-point random Hadamard transform on both operands of the weight-gradient GEMM;
-  gradients stochastically rounded. Ablations (one part off each): nvfp4_no_rht, nvfp4_no_sr,
-  nvfp4_1d_weights (weights in 1x16 blocks along each GEMM's contraction dim); nvfp4_4over6 adds 4over6
-  adaptive block scaling (MSE choice) to every role.
-- mxfp8_2d_weights / fp8_rowwise_2d_weights: transpose-safe weights: mxfp8 with 32x32 e8m0 weight tiles,
-  fp8_rowwise with 128x128 fp32 weight tiles (deepseek_fp8 is the 1x128-activation variant of the latter).
-- fp8_delayed: Transformer Engine's DelayedScaling (HYBRID: e4m3 forward, e5m2 gradients; amax history of
-  1024 casts, "max"): fp8_tensorwise with the tensor scale from each operand's amax history.
+The table itself (each recipe's specs and the sources they follow) is ``nn.recipes.RECIPES``, where
+``LinearPlan.from_recipe`` reads it too.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Literal
 
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import ROLES
+from low_bits_training.nn.recipes import RECIPES
 
-_FP8_ROW = QuantSpec.fp8_rowwise(scale_rounding="rceil")
-_NVFP4_TILE = QuantSpec("e2m1", "tile", block_size=16, scale_format="ue4m3", tensor_scale=True)
-_NVFP4_RHT = 16
-"""The RHT size of the nvfp4 recipe's weight-gradient GEMM (arXiv 2509.25149: 16 suffices at 12B scale)."""
-
-
-def _by_operand(
-    input: QuantSpec | None, weight: QuantSpec | None, grad_output: QuantSpec | None
-) -> dict[str, QuantSpec | None]:
-    by = {"input": input, "weight": weight, "grad_output": grad_output}
-    return {r.name: by[r.operand] for r in ROLES}
-
-
-def _hp_wgrad() -> dict[str, QuantSpec | None]:
-    specs = _by_operand(_FP8_ROW, _FP8_ROW, _FP8_ROW)
-    specs["dgrad.weight"] = QuantSpec.fp8_tensorwise(scale_rounding="rceil")
-    specs["wgrad.grad_output"] = specs["wgrad.input"] = None
-    return specs
-
-
-def _nvfp4(
-    rht: int = _NVFP4_RHT, sr: bool = True, weight_2d: bool = True, **extra
-) -> dict[str, QuantSpec | None]:
-    """NVIDIA's NVFP4 recipe, or an ablation of it (each argument switches one part)."""
-    grad = QuantSpec.nvfp4(rounding="stochastic" if sr else "nearest", **extra)
-    specs = _by_operand(
-        QuantSpec.nvfp4(**extra),
-        replace(_NVFP4_TILE, **extra) if weight_2d else QuantSpec.nvfp4(**extra),
-        grad,
-    )
-    for role in ("wgrad.grad_output", "wgrad.input"):
-        specs[role] = replace(specs[role], rht=rht)
-    return specs
-
-
-def _with(specs: dict[str, QuantSpec | None], operand: str, spec: QuantSpec) -> dict[str, QuantSpec | None]:
-    """``specs`` with every role of ``operand`` ("weight", ...) set to ``spec``."""
-    return {r.name: spec if r.operand == operand else specs[r.name] for r in ROLES}
-
-
-RECIPES: dict[str, dict[str, QuantSpec | None]] = {
-    "bf16": _by_operand(None, None, None),
-    "fp8_tensorwise": _by_operand(
-        QuantSpec.fp8_tensorwise(), QuantSpec.fp8_tensorwise(), QuantSpec.fp8_tensorwise("e5m2")
-    ),
-    "fp8_rowwise": _by_operand(_FP8_ROW, _FP8_ROW, _FP8_ROW),
-    "fp8_rowwise_hp_wgrad": _hp_wgrad(),
-    "deepseek_fp8": _by_operand(
-        QuantSpec.deepseek_act(), QuantSpec.deepseek_weight(), QuantSpec.deepseek_act()
-    ),
-    "mxfp8": _by_operand(*[QuantSpec.mxfp8("e4m3", "rceil")] * 3),
-    "mxfp6": _by_operand(QuantSpec.mxfp6("e2m3"), QuantSpec.mxfp6("e2m3"), QuantSpec.mxfp6("e3m2")),
-    "mxfp4": _by_operand(*[QuantSpec.mxfp4()] * 3),
-    "nvfp4": _nvfp4(),
-    "nvfp4_no_rht": _nvfp4(rht=0),
-    "nvfp4_no_sr": _nvfp4(sr=False),
-    "nvfp4_1d_weights": _nvfp4(weight_2d=False),
-    "nvfp4_4over6": _nvfp4(four_over_six="mse"),
-    "mxfp8_2d_weights": _with(
-        _by_operand(*[QuantSpec.mxfp8("e4m3", "rceil")] * 3),
-        "weight",
-        QuantSpec("e4m3", "tile", block_size=32, scale_format="e8m0", scale_rounding="rceil"),
-    ),
-    "fp8_rowwise_2d_weights": _with(
-        _by_operand(_FP8_ROW, _FP8_ROW, _FP8_ROW), "weight", QuantSpec.deepseek_weight(scale_rounding="rceil")
-    ),
-    "fp8_delayed": _by_operand(
-        QuantSpec.fp8_tensorwise(amax_history=1024),
-        QuantSpec.fp8_tensorwise(amax_history=1024),
-        QuantSpec.fp8_tensorwise("e5m2", amax_history=1024),
-    ),
-    "int8": _by_operand(*[QuantSpec.int8_rowwise()] * 3),
-}
-"""Recipe name -> spec per role name ("forward.input", ...); None is high precision."""
+RecipeName = Literal[tuple(RECIPES)]  # type: ignore[valid-type]  # the names, read from the one table
+"""A recipe name (``Literal`` of ``RECIPES``' keys: what ``[quantize] recipe`` accepts, tyro's choices)."""
 
 
 def recipe_specs(name: str) -> dict[str, QuantSpec | None]:
@@ -118,3 +24,6 @@ def recipe_specs(name: str) -> dict[str, QuantSpec | None]:
     if name not in RECIPES:
         raise KeyError(f"quantize.recipe = {name!r}: expected one of {', '.join(RECIPES)}")
     return dict(RECIPES[name])
+
+
+__all__ = ["RECIPES", "RecipeName", "recipe_specs"]

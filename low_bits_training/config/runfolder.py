@@ -1,6 +1,8 @@
-"""What a run folder (a training's ``dump_folder``) holds: one name for each file, and the one reader of its
-JSONL files. Writers live in ``titan/`` (metrics, resolved config), readers in ``report/`` and ``cli/``; both
-take the names from here (``numerics.jsonl`` is named with its rows, in ``numerics/records.py``). Plain Python: reading a run folder imports neither torch nor torchtitan.
+"""What a run folder (a training's ``dump_folder``) holds: one name for each file and for each metric the
+tables read, and the one reader of its JSONL files (whole, or the last row of a run still training). Writers
+live in ``titan/`` (metrics, resolved config), readers in ``report/`` and ``cli/``; both take the names from
+here (``numerics.jsonl`` is named with its rows, in ``numerics/records.py``). Plain Python: reading a run
+folder imports neither torch nor torchtitan.
 """
 
 from __future__ import annotations
@@ -21,20 +23,48 @@ COMMAND_TXT = "command.txt"
 RUN_FILES = (CONFIG_TOML, CONFIG_JSON, COMMAND_TXT)
 """What a run writes about itself once it really starts (``titan/configure.py: save_resolved``)."""
 
+LOSS = "loss_metrics/global_avg_loss"
+"""The training loss in ``metrics.jsonl`` (torchtitan's metric name)."""
+TPS = "throughput(tps)"
+"""Tokens/s per process in ``metrics.jsonl``."""
+MEMORY = ("memory/max_reserved(GiB)", "memory/max_active(GiB)")
+"""Peak memory keys, preferred first (on CPU both are the process's peak resident set)."""
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    # One JSONL line, or None for a blank or torn one (a line being written when the run was killed).
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a JSONL file ([] when it does not exist); a torn last line (a killed writer) is skipped."""
     path = Path(path)
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # only a line being written when the run was killed can be incomplete
-    return rows
+    return [row for line in path.read_text().splitlines() if (row := _row(line)) is not None]
+
+
+def read_last_row(path: str | os.PathLike, tail: int = 8192) -> dict[str, Any] | None:
+    """The last complete row of a JSONL file, reading only its last ``tail`` bytes (a run still training:
+    the row being written, or cut by the tail, is skipped), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - tail))
+            lines = f.read().decode(errors="ignore").splitlines()
+    except OSError:
+        return None
+    return next((row for line in reversed(lines) if (row := _row(line)) is not None), None)
+
+
+def read_total_steps(folder: str | os.PathLike) -> int | None:
+    """``training.steps`` of a run that has started (its ``config.json``), or None."""
+    try:
+        return int(json.loads((Path(folder) / CONFIG_JSON).read_text())["training"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_metrics(folder: str | os.PathLike) -> list[dict[str, Any]]:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from low_bits_training.config.backends import TORCHAO_BACKENDS, Hardware
 from low_bits_training.config.plan import LayerShape, PlanChange, QuantizeConfig, resolve_plan
-from low_bits_training.config.recipes import RECIPES
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import LinearPlan
 
@@ -97,11 +96,6 @@ def first_step(start: int | float, steps: int, where: str) -> int:
     )
 
 
-def _check_recipe(change: PlanChange, where: str) -> None:
-    if change.recipe is not None and change.recipe not in RECIPES:
-        raise ConfigError(f"{where}.recipe = {change.recipe!r}: expected one of {', '.join(RECIPES)}")
-
-
 def is_empty(change: PlanChange) -> bool:
     """True when a phase / eval plan gives no key (it would be the base plan)."""
     return change.recipe is None and change.rules is None and change.skip is None
@@ -120,7 +114,6 @@ def _starts(cfg: QuantizeConfig, steps: int) -> list[int]:
         where = f"quantize.phases[{i}]"
         if is_empty(phase):
             raise ConfigError(f"{where}: changes nothing; give recipe, rules or skip")
-        _check_recipe(phase, where)
         step = first_step(phase.start, steps, where)
         if out and step <= out[-1]:
             prev = cfg.phases[i - 1].start
@@ -154,7 +147,7 @@ def resolve_schedule(
 
     Raises:
         ConfigError: anything ``resolve_plan`` refuses (named by the phase's key), a start out of range, an
-            empty, overlapping or unsorted phase, an unknown recipe.
+            empty, overlapping or unsorted phase (a recipe name is checked when the section is built).
     """
     starts = _starts(cfg, steps)
     base = resolve_plan(cfg, layers, hw, converted)
@@ -166,7 +159,6 @@ def resolve_schedule(
         )
     ev = None
     if not is_empty(cfg.eval):
-        _check_recipe(cfg.eval, "quantize.eval")
         plans = resolve_plan(changed_config(cfg, cfg.eval), layers, hw, converted, "quantize.eval")
         ev = PhasePlan("quantize.eval", 0, plans)
     return Schedule(tuple(phases), ev, steps)

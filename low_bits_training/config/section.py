@@ -1,6 +1,8 @@
 """The one mechanism behind our TOML sections (``[job]``, ``[profiling]``, ``[numerics]``, ``[quantize]``):
 typed fields (``Literal[...]`` for choices, ``Annotated[int, AtLeast(0)]`` for bounds), checked when the
-section is built, when the TOML sets its fields and when a command-line flag rebuilds it.
+section is built, when the TOML sets its fields and when a command-line flag rebuilds it. The checks of one
+field live in its annotation and ``tree.coerce`` reads them, so a value built from TOML is refused under its
+own key (``quantize.rules[0].scaling``) and a section built in Python is refused the same way.
 
     @dataclass(kw_only=True, slots=True)
     class ProfilingConfig(Section):
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,15 +52,25 @@ class Matches:
             raise ConfigError(f"{key} = {value!r}: expected {self.description}")
 
 
-def rules(tp: Any) -> list[Any]:
-    """The checks (``AtLeast``, ``Matches``, anything with ``check(key, value)``) in an ``Annotated`` type."""
-    if typing.get_origin(tp) is not typing.Annotated:
-        return []
-    return [m for m in typing.get_args(tp)[1:] if callable(getattr(m, "check", None))]
+@dataclass(frozen=True)
+class Retired:
+    """A value a choice field no longer takes, and where it went (said after the refusal):
+    ``Annotated[Literal["emulate", "auto"], Retired("real", "use 'auto'")]``."""
+
+    value: str
+    note: str
+
+    def refusal_note(self, value: Any) -> str:
+        """`` (<note>)`` when ``value`` is the retired one, else ""."""
+        return f" ({self.note})" if value == self.value else ""
 
 
 def check_fields(obj: Any, section: str) -> None:
-    """Check every public field of dataclass ``obj`` against its annotation and its rules.
+    """Check every public field of dataclass ``obj`` against its annotation, nested sections included.
+
+    Each field is checked by ``tree.coerce`` (its type, ``Literal`` choices and ``Annotated`` rules); a field
+    that holds a dataclass, or a list of them, is checked field by field under its own key
+    (``quantize.rules[0].scaling``).
 
     Args:
         obj: a dataclass instance.
@@ -72,10 +83,12 @@ def check_fields(obj: Any, section: str) -> None:
     for f in dataclasses.fields(obj):
         if not f.init or f.name.startswith("_"):
             continue
-        key, value, tp = f"{section}.{f.name}" if section else f.name, getattr(obj, f.name), types[f.name]
-        coerce(value, tp, key)
-        for rule in rules(tp):
-            rule.check(key, value)
+        key, value = f"{section}.{f.name}" if section else f.name, getattr(obj, f.name)
+        coerce(value, types[f.name], key)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                check_fields(item, key if i is None else f"{key}[{i}]")
 
 
 class Section:

@@ -33,22 +33,57 @@ def public_fields(obj: Any) -> list[str]:
 
 def _type_name(tp: Any) -> str:
     tp = _strip(tp)
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is None and hasattr(tp, "__name__"):
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):  # TOML has no None: name the other members
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is None and hasattr(tp, "__name__"):
         return tp.__name__
     return str(tp).replace("typing.", "")
 
 
+def literal_choices(tp: Any) -> tuple[Any, ...]:
+    """The ``Literal`` values an annotation allows (``Literal[...]``, ``Annotated`` or ``| None`` around it);
+    () when it is not a choice."""
+    tp = _strip(tp)
+    members = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return tuple(
+        a for m in map(_strip, members) if typing.get_origin(m) is Literal for a in typing.get_args(m)
+    )
+
+
+def _fits_choice_type(value: Any, tp: Any) -> bool:
+    # A value of the choices' own type (a str for string choices) is wrong only by its value.
+    return type(value) in {type(a) for a in literal_choices(tp)}
+
+
+def _metadata(tp: Any, method: str) -> list[Any]:
+    # The Annotated metadata of ``tp`` that offers ``method``.
+    if typing.get_origin(tp) is not typing.Annotated:
+        return []
+    return [m for m in typing.get_args(tp)[1:] if callable(getattr(m, method, None))]
+
+
+def rules(tp: Any) -> list[Any]:
+    """The checks in an ``Annotated`` type: metadata with ``check(key, value)`` (``config.section.AtLeast``)."""
+    return _metadata(tp, "check")
+
+
 def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` and return it in the field's own type.
+    """Check ``value`` against the annotation ``tp`` (its type, ``Literal`` choices and ``Annotated`` rules)
+    and return it in the field's own type.
 
     Raises:
-        ConfigError: the value does not fit; the message names ``key``, the value and the expected type.
+        ConfigError: the value does not fit; the message names ``key``, the value and what is allowed.
     """
     ok, out = _coerce(value, tp)
     if not ok:
-        raise ConfigError(f"{key} = {value!r} ({type(value).__name__}): expected {_type_name(tp)}")
+        kind = "" if _fits_choice_type(value, tp) else f" ({type(value).__name__})"
+        notes = "".join(m.refusal_note(value) for m in _metadata(tp, "refusal_note"))
+        raise ConfigError(f"{key} = {value!r}{kind}: expected {_type_name(tp)}{notes}")
+    for rule in rules(tp):
+        rule.check(key, out)
     return out
 
 
@@ -65,6 +100,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:  # noqa: C901 - one branch
     if origin is Literal:
         return value in args and type(value) in {type(a) for a in args}, value
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:  # a field's "unset" (TOML itself has no None)
+            return True, None
         for a in (a for a in args if a is not type(None)):
             ok, out = _coerce(value, a)
             if ok:
@@ -137,7 +174,7 @@ def apply_dict(obj: Any, data: dict[str, Any], where: str = "") -> None:
     from low_bits_training.config.section import Section  # section.py builds on this module
 
     if data and isinstance(obj, Section):
-        obj.check()  # its own rules (bounds, patterns): setattr does not run __post_init__
+        obj.check()  # checks across fields: setattr does not run __post_init__
 
 
 def _value_for(current: Any, value: Any, tp: Any, path: str) -> Any:

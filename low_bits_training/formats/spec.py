@@ -15,7 +15,8 @@ InfAmax = Literal["keep", "nan"]
 FourOverSix = Literal["off", "mse", "mae"]
 AmaxCompute = Literal["max", "most_recent"]
 Source = Literal["high", "forward"]
-SCALE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "e8m0", "ue4m3")
+ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
+SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 _ROUNDING_LABEL = {"nearest": "rne", "stochastic": "sr", "toward_zero": "rtz"}
 
 
@@ -34,7 +35,7 @@ class QuantSpec:
     blocks run along."""
     block_size: int = 32
     """Group length for "block", tile side for "tile"."""
-    scale_format: str = "fp32"
+    scale_format: ScaleFormat = "fp32"
     """Format the scales are stored in: "fp32" | "bf16" | "e8m0" | "ue4m3"."""
     scale_rounding: ScaleRounding = "exact"
     """How amax becomes a scale: "exact" amax/max_elem rounded (RNE) to scale_format; "floor"
@@ -87,8 +88,6 @@ class QuantSpec:
         self._check_numbers()
 
     def _check_numbers(self) -> None:
-        if self.scale_format not in SCALE_FORMATS:
-            raise ValueError(f"QuantSpec.scale_format={self.scale_format!r} is not one of {SCALE_FORMATS}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"QuantSpec.block_size={self.block_size!r} must be a positive int")
         if not isinstance(self.axis, int):
@@ -157,18 +156,21 @@ class QuantSpec:
 
     # Convenience constructors for the recipes people name.
     @classmethod
-    def mxfp8(cls, fmt: str = "e4m3", scale_rounding: ScaleRounding = "floor", **kw) -> QuantSpec:
-        """OCP MXFP8: 1x32 blocks, e8m0 scales."""
+    def mxfp8(cls, fmt: str = "e4m3", scale_rounding: ScaleRounding = "rceil", **kw) -> QuantSpec:
+        """MXFP8 as recipe ``mxfp8`` trains it: OCP MX 1x32 blocks, e8m0 scales, torchao's training default
+        scale rounding "rceil" (pass ``scale_rounding="floor"`` for the OCP spec's own rule)."""
         return cls(fmt, "block", block_size=32, scale_format="e8m0", scale_rounding=scale_rounding, **kw)
 
     @classmethod
     def mxfp6(cls, fmt: str = "e2m3", scale_rounding: ScaleRounding = "floor", **kw) -> QuantSpec:
-        """OCP MXFP6 (e2m3 or e3m2): 1x32 blocks, e8m0 scales."""
+        """OCP MXFP6 (e2m3 or e3m2): 1x32 blocks, e8m0 scales, the spec's "floor" scale rounding (recipe
+        ``mxfp6``)."""
         return cls.mxfp8(fmt, scale_rounding, **kw)
 
     @classmethod
     def mxfp4(cls, scale_rounding: ScaleRounding = "floor", **kw) -> QuantSpec:
-        """OCP MXFP4: e2m1 elements, 1x32 blocks, e8m0 scales."""
+        """OCP MXFP4: e2m1 elements, 1x32 blocks, e8m0 scales, the spec's "floor" scale rounding (recipe
+        ``mxfp4``)."""
         return cls.mxfp8("e2m1", scale_rounding, **kw)
 
     @classmethod

@@ -35,7 +35,7 @@ def reduced_dims(spec: QuantSpec, ndim: int) -> tuple[int, ...]:
     return ()
 
 
-def needs_global_amax(spec: QuantSpec, ndim: int, shards: ShardGroups) -> bool:
+def needs_global_amax(spec: QuantSpec, ndim: int, shards: ShardGroups, role: str = "operand") -> bool:
     """True when the scale reduces over a sharded dim (see the module docstring).
 
     Raises:
@@ -45,7 +45,7 @@ def needs_global_amax(spec: QuantSpec, ndim: int, shards: ShardGroups) -> bool:
     hit = sharded & set(reduced_dims(spec, ndim))
     if hit and (spec.tensor_scale or spec.scaling not in ("tensor", "axis")):
         raise NotImplementedError(
-            f"quantize: {spec} reduces over tensor-parallel-sharded dim {min(hit)}; two-level/per-tensor "
+            f"quantize: {role} ({spec}) reduces over tensor-parallel-sharded dim {min(hit)}; two-level/per-tensor "
             "scales of sharded block formats are not supported under TP (use tensor_parallel_degree=1)"
         )
     return bool(hit)
@@ -148,13 +148,13 @@ def cast(
     t = t.to(torch.float32)
     if spec is None:
         return t
+    check_fits(t.shape, spec, role)  # every path below groups t by the spec's blocks
     if spec.amax_history and history is not None:
         q, scale = delayed_values(t, spec, shards, key, history, record)
         return q * scale
-    if needs_global_amax(spec, t.dim(), shards):
+    if needs_global_amax(spec, t.dim(), shards, role):
         q, scale = scaled_values(t, spec, shards, key)
         return q * scale
-    check_fits(t.shape, spec, role)
     return fake_quantize(t, spec, key)
 
 

@@ -144,6 +144,20 @@ class LinearPlan:
             raise ValueError(f"unknown role {unknown[0]!r}: allowed {', '.join(ROLE_NAMES)}")
         return cls(tuple(specs.get(n) for n in ROLE_NAMES), (backend,) * len(GEMMS))
 
+    @classmethod
+    def from_recipe(cls, name: str, backend: Backend = "emulate") -> LinearPlan:
+        """The plan of a named recipe (``nn.recipes.RECIPES``: "mxfp8", "nvfp4", ...), as ``[quantize] recipe``
+        gives every layer it covers (no rules, no block-size check against a layer's shape).
+
+        Raises:
+            ValueError: an unknown recipe name (the message lists the names).
+        """
+        from .recipes import RECIPES  # recipes.py builds its table from ROLES, defined here
+
+        if name not in RECIPES:
+            raise ValueError(f"unknown recipe {name!r}: expected one of {', '.join(RECIPES)}")
+        return cls.from_roles(RECIPES[name], backend)
+
     def spec(self, role: str) -> QuantSpec | None:
         """The spec of a role named ``"gemm.operand"``."""
         return self.specs[ROLE_NAMES.index(role)]

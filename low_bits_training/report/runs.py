@@ -14,13 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from low_bits_training.config.runfolder import METRICS_FILE, read_jsonl, read_metrics
+from low_bits_training.config.runfolder import LOSS, MEMORY, METRICS_FILE, TPS, read_jsonl, read_metrics
 from low_bits_training.numerics.records import NUMERICS_FILE
-
-LOSS = "loss_metrics/global_avg_loss"
-TPS = "throughput(tps)"
-MEMORY = ("memory/max_reserved(GiB)", "memory/max_active(GiB)")
-"""Peak memory keys, preferred first (on CPU both are the process's peak resident set)."""
 
 
 def _number(v: Any) -> float:

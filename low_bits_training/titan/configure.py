@@ -21,10 +21,18 @@ from typing import Any
 
 import tomli_w
 
-from low_bits_training.config.argv import flag_names, flag_value
+from low_bits_training.config.argv import flag_names, flag_value, scan
 from low_bits_training.config.runfolder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML
 from low_bits_training.config.secrets import redact, redact_argv, wandb_credentials
-from low_bits_training.config.tree import ConfigError, apply_dict, diff, public_fields
+from low_bits_training.config.tree import (
+    ConfigError,
+    apply_dict,
+    coerce,
+    diff,
+    field_types,
+    literal_choices,
+    public_fields,
+)
 from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
 from low_bits_training.titan.compat import config_function, config_manager
 from low_bits_training.titan.job import BASE_SHAPE, JobConfig
@@ -151,7 +159,8 @@ def parse_cli(config: LowBitsTrainer.Config, args: list[str]) -> LowBitsTrainer.
         with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
             return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
     except SystemExit:
-        raise ConfigError(unknown_flag(config, args) or tyro_message(out.getvalue())) from None
+        message = unknown_flag(config, args) or refused_choice(config, args) or tyro_message(out.getvalue())
+        raise ConfigError(message) from None
 
 
 def unknown_flag(config: Any, args: list[str]) -> str | None:
@@ -171,6 +180,26 @@ def unknown_flag(config: Any, args: list[str]) -> str | None:
             else:
                 where = f"[{'.'.join(parts[:i])}]" if i else "the top level"
                 return f"unknown flag '--{name}'; allowed keys in {where}: {', '.join(sorted(fields))}"
+    return None
+
+
+def refused_choice(config: Any, args: list[str]) -> str | None:
+    """The first flag whose value is not one of its field's ``Literal`` choices, refused in the words the
+    TOML loader uses (``quantize.backend = 'real': expected one of emulate, torchao, auto (...)``); tyro's own
+    refusal would name the same, in other words. None: no such flag."""
+    for flag in scan(args):
+        *path, last = flag.name.replace("-", "_").split(".")
+        parent = config
+        for part in path:
+            parent = getattr(parent, part, None)
+        if len(flag.values) != 1 or not dataclasses.is_dataclass(parent) or isinstance(parent, type):
+            continue
+        tp = field_types(type(parent)).get(last)
+        if tp is not None and literal_choices(tp) and flag.values[0] not in literal_choices(tp):
+            try:
+                coerce(flag.values[0], tp, flag.name.replace("-", "_"))
+            except ConfigError as e:
+                return str(e)
     return None
 
 

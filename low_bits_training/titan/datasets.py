@@ -23,7 +23,6 @@ from low_bits_training.data.markov import build_corpus
 MARKOV_DEFAULT_PATH = "./assets/lbt_markov"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 """The files torchtitan's HuggingFaceTokenizer loads a tokenizer from, in the order it looks for them."""
-_TOKENIZER_FILES = TOKENIZER_FILES  # the name cli/config_checks.py imports today (the same tuple)
 _LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -101,7 +100,9 @@ def check_names(config) -> None:
     register()
     for key, dl in _dataset_configs(config):
         if dl.dataset not in DATASETS:
-            raise ConfigError(f"{key}.dataset = {dl.dataset!r}: expected one of {', '.join(sorted(DATASETS))}")
+            raise ConfigError(
+                f"{key}.dataset = {dl.dataset!r}: expected one of {', '.join(sorted(DATASETS))}"
+            )
 
 
 def prepare_assets(config) -> None:

@@ -32,8 +32,8 @@ from low_bits_training.config.backends import (
 )
 from low_bits_training.config.plan import LayerShape, resolve_plan
 from low_bits_training.config.plan_table import plan_to_json
-from low_bits_training.nn import STATE_BUFFERS, LinearPlan, QuantLinear
-from low_bits_training.nn.linear import HISTORY_BUFFER
+from low_bits_training.nn import LinearPlan, QuantLinear
+from low_bits_training.nn.linear import HISTORY_BUFFER, STATE_BUFFERS
 from low_bits_training.nn.whatif import WhatIfLinear
 from low_bits_training.titan.attention import attention_layers, attention_plans, convert_attention
 from low_bits_training.titan.comm import apply_comm

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.plan import QuantizeConfig
@@ -17,6 +16,7 @@ from low_bits_training.titan.comm import log_comm_bytes
 from low_bits_training.titan.delayed import install as install_amax_group
 from low_bits_training.titan.numerics import NumericsConfig, extras_for, quant_layers
 from low_bits_training.titan.profiling import ProfilingConfig
+from low_bits_training.titan.ranks import rank
 from low_bits_training.titan.schedule import install as install_schedule
 
 
@@ -77,11 +77,6 @@ class LowBitsTrainer(Trainer):
             # What torchtitan prints (debug.print_config), saves (debug.save_config_file) and sends to W&B.
             return redact(Trainer.Config.to_dict(self))
 
-        def __post_init__(self) -> None:
-            Trainer.Config.__post_init__(self)
-            self.numerics.check()
-            self.profiling.check()
-
     def train_step(self, data_iterator):
         """torchtitan's step between the numerics / profiling bookkeeping (see titan/numerics).
 
@@ -100,7 +95,6 @@ class LowBitsTrainer(Trainer):
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM
         operands and their policy. Under PP the schedule's microbatches share one key."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        layer_rng.set_step_key(microbatch_key(self._rng_base_seed, self.step, self._microbatch, rank))
+        layer_rng.set_step_key(microbatch_key(self._rng_base_seed, self.step, self._microbatch, rank()))
         self._microbatch += 1
         return extras_for(self).after_microbatch(super().forward_backward_step(**kwargs))

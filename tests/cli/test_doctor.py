@@ -79,12 +79,12 @@ def test_wandb_key_is_ok_and_never_shown(monkeypatch, clean_env):
 
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     c = checks.check_wandb(os.environ)
-    assert c.status == "OK" and c.detail.startswith("configured") and SECRET not in repr(c)
+    assert c.status == "OK" and c.detail == "configured (WANDB_API_KEY)" and SECRET not in repr(c)
     monkeypatch.delenv("WANDB_API_KEY")
     assert checks.check_wandb(os.environ).status == "WARN"
     (clean_env / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {SECRET}\n")
-    c = checks.check_wandb(os.environ)  # the launcher's own test (titan.configure.wandb_configured)
-    assert c.status == "OK" and SECRET not in repr(c)
+    c = checks.check_wandb(os.environ)  # the launcher's own test (config.secrets.wandb_credentials)
+    assert c.status == "OK" and c.detail == "configured (netrc)" and SECRET not in repr(c)
 
 
 def test_dataset_hub_needs_network_local_must_exist(tmp_path):

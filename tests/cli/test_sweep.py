@@ -117,24 +117,24 @@ def test_seeds_pool_into_mean_std_and_paired_delta(tmp_path):
     g = Grid(
         config_file=DEBUG,
         name="prec",
-        grid={"quantize.recipe": ["none", "fp8_rowwise"], "debug.seed": [0, 1]},
-        baseline={"quantize.recipe": "none"},
+        grid={"quantize.recipe": ["bf16", "fp8_rowwise"], "debug.seed": [0, 1]},
+        baseline={"quantize.recipe": "bf16"},
     )
     assert [p.name for p in g.points()] == [
-        "recipe-none_seed-0",
-        "recipe-none_seed-1",
+        "recipe-bf16_seed-0",
+        "recipe-bf16_seed-1",
         "recipe-fp8_rowwise_seed-0",
         "recipe-fp8_rowwise_seed-1",
     ]
     assert g.points()[3].args == ("--quantize.recipe", "fp8_rowwise", "--debug.seed", "1")
-    write_run(tmp_path / "recipe-none_seed-0", [8.0, 7.0, 7.2], tps=200)
-    write_run(tmp_path / "recipe-none_seed-1", [8.0, 7.1, 7.4], tps=100)
+    write_run(tmp_path / "recipe-bf16_seed-0", [8.0, 7.0, 7.2], tps=200)
+    write_run(tmp_path / "recipe-bf16_seed-1", [8.0, 7.1, 7.4], tps=100)
     write_run(tmp_path / "recipe-fp8_rowwise_seed-0", [8.0, 7.3, 7.3], mem=2.5)
     # seed 1 of fp8 failed: no metrics
     sweep.report(g, tmp_path)
     with open(tmp_path / "summary.csv") as f:
         base, fp8 = csv.DictReader(f)
-    assert base["config"] == "quantize.recipe=none (baseline)" and base["runs"] == "2/2"
+    assert base["config"] == "quantize.recipe=bf16 (baseline)" and base["runs"] == "2/2"
     assert base["final loss"] == f"7.3000 ± {math.sqrt(0.02):.4f}" and base["best loss"] == "7.0500 ± 0.0707"
     assert base["tok/s/proc"] == "150"  # the first step (warm-up) left out
     assert (
@@ -167,10 +167,10 @@ def test_grid_file_and_cli(tmp_path):
     f = tmp_path / "g.toml"
     f.write_text(
         'config_file = "x.toml"\nname = "p"\nargs = ["--training.steps", "5"]\n'
-        '[grid]\n"quantize.recipe" = ["none", "mxfp8"]\n"debug.seed" = [0]\n'
+        '[grid]\n"quantize.recipe" = ["bf16", "mxfp8"]\n"debug.seed" = [0]\n'
     )
     g = load_grid(str(f), grid=["debug.seed=1,2", "optimizer.lr=3e-4"], args=["--x.y", "1"])
-    assert g.grid == {"quantize.recipe": ["none", "mxfp8"], "debug.seed": [1, 2], "optimizer.lr": [3e-4]}
+    assert g.grid == {"quantize.recipe": ["bf16", "mxfp8"], "debug.seed": [1, 2], "optimizer.lr": [3e-4]}
     assert g.args == ("--training.steps", "5", "--x.y", "1") and g.config_file == "x.toml"
     assert override("checkpoint.enable", False) == ["--checkpoint.no-enable"]
     assert override("compile.enable", True) == ["--compile.enable"]
@@ -180,7 +180,7 @@ def test_grid_file_and_cli(tmp_path):
     with pytest.raises(ConfigError, match="grid.debug.seed = \\[\\]"):
         Grid(config_file="x", grid={"debug.seed": []})
     with pytest.raises(ConfigError, match="baseline key 'quantize.recipe': not a grid key"):
-        Grid(config_file="x", grid={"debug.seed": [0]}, baseline={"quantize.recipe": "none"})
+        Grid(config_file="x", grid={"debug.seed": [0]}, baseline={"quantize.recipe": "bf16"})
     with pytest.raises(ConfigError, match="--grid 'debug.seed'"):
         grid_mod.parse_pairs(["debug.seed"], "--grid")
 

@@ -178,5 +178,7 @@ def test_torchao_corner_case_options_from_toml_rules():
     assert (
         plans["layers.0.w"].spec("forward.input").short() == "e2m1/block16(ue4m3,exact+t32,minN,infNaN)/rne"
     )
-    with pytest.raises(ConfigError, match="QuantSpec.scale_min='tiny' is not one of"):
-        resolve_plan(QuantizeConfig(rules=[QuantRule(scale_min="tiny")], recipe="mxfp8"), LAYERS)
+    with pytest.raises(
+        ConfigError, match=r"^quantize.rules\[0\].scale_min = 'tiny': expected one of subnormal, normal$"
+    ):
+        build_dataclass(QuantizeConfig, {"recipe": "mxfp8", "rules": [{"scale_min": "tiny"}]}, "quantize")

@@ -6,6 +6,8 @@ from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule,
 from low_bits_training.config.plan_table import format_plan, plan_to_json
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.config.tree import ConfigError, build_dataclass
+from low_bits_training.formats import QuantSpec
+from low_bits_training.nn import ROLES, LinearPlan
 
 LAYERS = {
     f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)
@@ -47,42 +49,56 @@ def test_rules_apply_in_order_with_first_last_n():
 
 
 @pytest.mark.parametrize(
-    ("cfg", "message"),
+    ("make", "message"),
     [
-        (QuantizeConfig(recipe="fp9"), "quantize.recipe = 'fp9': expected one of bf16, fp8_tensorwise"),
-        (QuantizeConfig(backend="gpu"), "quantize.backend = 'gpu': expected one of emulate, torchao, auto"),
-        (QuantizeConfig(rules=[QuantRule(format="e9m9")]), "quantize.rules[0]: unknown format 'e9m9'"),
         (
-            QuantizeConfig(rules=[QuantRule(layers=["layers.*.attn.*"])]),
+            lambda: QuantizeConfig(recipe="fp9"),
+            "quantize.recipe = 'fp9': expected one of bf16, fp8_tensorwise",
+        ),
+        (
+            lambda: QuantizeConfig(backend="gpu"),
+            "quantize.backend = 'gpu': expected one of emulate, torchao, auto",
+        ),
+        (
+            lambda: QuantizeConfig(rules=[QuantRule(format="e9m9")]),
+            "quantize.rules[0]: unknown format 'e9m9'",
+        ),
+        (
+            lambda: QuantizeConfig(rules=[QuantRule(layers=["layers.*.attn.*"])]),
             "quantize.rules[0].layers: 'layers.*.attn.*'",
         ),
         (
-            QuantizeConfig(rules=[QuantRule(roles=["backward.*"])]),
+            lambda: QuantizeConfig(rules=[QuantRule(roles=["backward.*"])]),
             "quantize.rules[0].roles: 'backward.*' matches no",
         ),
         (
-            QuantizeConfig(rules=[QuantRule(first_n=9)]),
+            lambda: QuantizeConfig(rules=[QuantRule(first_n=9)]),
             "quantize.rules[0].first_n/last_n = 9/0: expected 0..4",
         ),
         (
-            QuantizeConfig(rules=[QuantRule(format="e4m3", scaling="rows")]),
-            "quantize.rules[0]: QuantSpec.scaling='rows'",
+            lambda: QuantizeConfig(rules=[QuantRule(format="e4m3", scaling="rows")]),
+            "quantize.rules.scaling = 'rows': expected one of none, tensor, axis, block, tile",
         ),
-        (QuantizeConfig(skip=["output"]), "quantize.skip: 'output' matches no linear layer"),
-        (QuantizeConfig(recipe="mxfp8", rules=[QuantRule(block_size=48)]), "block_size=48 does not divide"),
+        (lambda: QuantizeConfig(skip=["output"]), "quantize.skip: 'output' matches no linear layer"),
         (
-            QuantizeConfig(recipe="mxfp8", backend="real"),
+            lambda: QuantizeConfig(recipe="mxfp8", rules=[QuantRule(block_size=48)]),
+            "block_size=48 does not divide",
+        ),
+        (
+            lambda: QuantizeConfig(recipe="mxfp8", backend="real"),
             "quantize.backend = 'real': expected one of emulate, torchao, auto (the hand-written _scaled_mm",
         ),
         (
-            QuantizeConfig(torchao=TorchaoOptions(precompute_float8_dynamic_scale_for_fsdp=True)),
+            lambda: QuantizeConfig(torchao=TorchaoOptions(precompute_float8_dynamic_scale_for_fsdp=True)),
             "quantize.torchao.precompute_float8_dynamic_scale_for_fsdp = true needs",
         ),
     ],
 )
-def test_one_line_errors(cfg, message):
+def test_one_line_errors(make, message):
+    # Each refused when the section is built (a value that fits no field type) or when it is resolved
+    # against the layers (globs, shapes, options); either way before any model exists.
     with pytest.raises(ConfigError) as e:
-        resolve_plan(cfg, LAYERS)
+        resolve_plan(make(), LAYERS)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -118,3 +134,22 @@ def test_table_collapses_identical_layers():
 def test_every_recipe_resolves_on_the_debug_shapes():
     for name in RECIPES:
         resolve_plan(QuantizeConfig(recipe=name), LAYERS)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_python_recipe_plan_is_the_resolved_toml_plan(name):
+    # LinearPlan.from_recipe (Python, no TOML) gives a layer exactly what [quantize] recipe = name resolves to.
+    resolved = resolve_plan(QuantizeConfig(recipe=name, skip=[]), LAYERS)
+    assert all(plan == LinearPlan.from_recipe(name) for plan in resolved.values())
+
+
+def test_python_constructors_have_the_recipes_numerics():
+    # The recipe table holds each operand's spec before the plan sets its axis to the GEMM's contraction dim.
+    by_operand = {"mxfp8": [QuantSpec.mxfp8()] * 3, "mxfp4": [QuantSpec.mxfp4()] * 3}
+    by_operand["mxfp6"] = [QuantSpec.mxfp6(), QuantSpec.mxfp6(), QuantSpec.mxfp6("e3m2")]
+    for name, (inp, weight, grad) in by_operand.items():
+        specs = {"input": inp, "weight": weight, "grad_output": grad}
+        assert RECIPES[name] == {r.name: specs[r.operand] for r in ROLES}, name
+    assert QuantSpec.mxfp8().scale_rounding == "rceil"  # torchao's training default (the OCP rule is floor)
+    with pytest.raises(ValueError, match=r"^unknown recipe 'mxfp9': expected one of bf16, fp8_tensorwise,"):
+        LinearPlan.from_recipe("mxfp9")

@@ -12,7 +12,7 @@ from low_bits_training.config.plan import (
     resolve_plan,
 )
 from low_bits_training.config.schedule import check_switchable, first_step, resolve_schedule
-from low_bits_training.config.tree import ConfigError, apply_dict
+from low_bits_training.config.tree import ConfigError, apply_dict, build_dataclass
 
 LAYERS = {
     f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)
@@ -103,60 +103,61 @@ def test_toml_shape_builds_through_the_tree_layer():
 
 
 @pytest.mark.parametrize(
-    ("cfg", "message"),
+    ("make", "message"),
     [
         (
-            QuantizeConfig(phases=[Phase(start=100, recipe="bf16")]),
+            lambda: QuantizeConfig(phases=[Phase(start=100, recipe="bf16")]),
             "quantize.phases[0].start = 100: expected a step count (int, 0 <= start < training.steps = 100) "
             "or a fraction of training (float, 0 <= start < 1)",
         ),
         (
-            QuantizeConfig(phases=[Phase(start=1.0, recipe="bf16")]),
+            lambda: QuantizeConfig(phases=[Phase(start=1.0, recipe="bf16")]),
             "quantize.phases[0].start = 1.0: expected",
         ),
         (
-            QuantizeConfig(phases=[Phase(start=-0.5, recipe="bf16")]),
+            lambda: QuantizeConfig(phases=[Phase(start=-0.5, recipe="bf16")]),
             "quantize.phases[0].start = -0.5: expected",
         ),
-        (QuantizeConfig(phases=[Phase(recipe="bf16")]), "quantize.phases[0].start = -1: expected"),
+        (lambda: QuantizeConfig(phases=[Phase(recipe="bf16")]), "quantize.phases[0].start = -1: expected"),
         (
-            QuantizeConfig(phases=[Phase(start=0.8, recipe="bf16"), Phase(start=0.5, recipe="int8")]),
+            lambda: QuantizeConfig(phases=[Phase(start=0.8, recipe="bf16"), Phase(start=0.5, recipe="int8")]),
             "quantize.phases[1].start = 0.5 (step 51) starts before quantize.phases[0].start = 0.8 (step 81): "
             "phases must not overlap",
         ),
         (
-            QuantizeConfig(phases=[Phase(start=0.8, recipe="bf16"), Phase(start=80, recipe="int8")]),
+            lambda: QuantizeConfig(phases=[Phase(start=0.8, recipe="bf16"), Phase(start=80, recipe="int8")]),
             "quantize.phases[1].start = 80 (step 81) starts where quantize.phases[0].start = 0.8 (step 81)",
         ),
         (
-            QuantizeConfig(phases=[Phase(start=5)]),
+            lambda: QuantizeConfig(phases=[Phase(start=5)]),
             "quantize.phases[0]: changes nothing; give recipe, rules or skip",
         ),
         (
-            QuantizeConfig(phases=[Phase(start=5, recipe="fp3")]),
+            # as TOML builds it: refused when the section is built, under the phase's own key
+            lambda: build_dataclass(QuantizeConfig, {"phases": [{"start": 5, "recipe": "fp3"}]}, "quantize"),
             "quantize.phases[0].recipe = 'fp3': expected one of bf16,",
         ),
         (
-            QuantizeConfig(phases=[Phase(start=5, rules=[QuantRule(layers=["layers.*.attn.*"])])]),
+            lambda: QuantizeConfig(phases=[Phase(start=5, rules=[QuantRule(layers=["layers.*.attn.*"])])]),
             "quantize.phases[0].rules[0].layers: 'layers.*.attn.*' matches no linear layer",
         ),
         (
-            QuantizeConfig(eval=PlanChange(skip=["decoder"])),
+            lambda: QuantizeConfig(eval=PlanChange(skip=["decoder"])),
             "quantize.eval.skip: 'decoder' matches no linear layer",
         ),
         (
             # 48 tokens: a 32-block of the weight-gradient GEMM's token dim does not fit, in that phase only
-            QuantizeConfig(phases=[Phase(start=5, recipe="mxfp8")]),
+            lambda: QuantizeConfig(phases=[Phase(start=5, recipe="mxfp8")]),
             "quantize.phases[0]: layers.0.attention.wqkv wgrad.grad_output (48, 256)",
         ),
     ],
 )
-def test_one_line_errors(cfg, message):
+def test_one_line_errors(make, message):
     layers = LAYERS
     if "(48, 256)" in message:
         layers = {f: LayerShape(s.in_features, s.out_features, 48) for f, s in LAYERS.items()}
     with pytest.raises(ConfigError) as e:
-        resolve_schedule(cfg, layers, steps=100)
+        resolve_schedule(make(), layers, steps=100)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -1,5 +1,5 @@
 """The one mechanism behind our sections: typed fields, Literal choices and bounds, checked when a section is
-built, when the TOML sets it and when a command-line flag rebuilds it."""
+built, when the TOML sets it and when a command-line flag rebuilds it; and the sections built on it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Annotated, ClassVar, Literal
 
 import pytest
 
+from low_bits_training.config.plan import Phase, PlanChange, QuantizeConfig, QuantRule
 from low_bits_training.config.section import AtLeast, Matches, Section
-from low_bits_training.config.tree import ConfigError, apply_dict
+from low_bits_training.config.tree import ConfigError, apply_dict, build_dataclass
+from low_bits_training.titan.numerics import NumericsConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,7 +29,8 @@ class Demo(Section):
         ({"freq": -1}, "demo.freq = -1: expected an int >= 0 (0: off)"),
         ({"freq": 1.5}, "demo.freq = 1.5 (float): expected int"),
         ({"freq": True}, "demo.freq = True (bool): expected int"),
-        ({"mode": "halt"}, "demo.mode = 'halt' (str): expected one of 'warn', 'stop'"),
+        ({"mode": "halt"}, "demo.mode = 'halt': expected one of warn, stop"),
+        ({"mode": 3}, "demo.mode = 3 (int): expected one of warn, stop"),
         ({"name": "A/b"}, "demo.name = 'A/b': expected lower-case letters"),
     ],
 )
@@ -53,3 +56,63 @@ def test_job_section():
         JobConfig(base="llama3")
     with pytest.raises(ConfigError, match=r"^job.name = 'a/b': expected letters, digits"):
         JobConfig(name="a/b")
+
+
+# --- the sections built on it: [quantize] (rules, phases, eval) and [numerics] ------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: QuantizeConfig(recipe="none"),
+            "quantize.recipe = 'none': expected one of bf16, fp8_tensorwise, fp8_rowwise,",
+        ),
+        (
+            lambda: QuantizeConfig(backend="real"),
+            "quantize.backend = 'real': expected one of emulate, torchao, auto (the hand-written _scaled_mm "
+            "backend is a Python-only reference now; real kernels come from torchao)",
+        ),
+        (lambda: QuantizeConfig(skip="lm_head"), "quantize.skip = 'lm_head' (str): expected list[str]"),
+        (lambda: QuantRule(scaling="rows"), "quantize.rules.scaling = 'rows': expected one of none, tensor,"),
+        (lambda: QuantRule(block_size=0), "quantize.rules.block_size = 0: expected an int >= 1"),
+        (lambda: QuantRule(last_n=-1), "quantize.rules.last_n = -1: expected an int >= 0"),
+        (lambda: Phase(start=3, recipe="fp3"), "quantize.phases.recipe = 'fp3': expected one of bf16,"),
+        (lambda: PlanChange(recipe="fp3"), "quantize.eval.recipe = 'fp3': expected one of bf16,"),
+        (lambda: NumericsConfig(nonfinite="halt"), "numerics.nonfinite = 'halt': expected one of off, warn,"),
+        (lambda: NumericsConfig(stats_freq=-1), "numerics.stats_freq = -1: expected an int >= 0 (0: off)"),
+    ],
+)
+def test_sections_refuse_at_construction(make, message):
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_nested_values_are_refused_under_their_own_key():
+    # From TOML: the index of the rule / phase is in the key.
+    with pytest.raises(ConfigError, match=r"^quantize.rules\[1\].rounding = 'up': expected one of nearest,"):
+        build_dataclass(QuantizeConfig, {"rules": [{}, {"rounding": "up"}]}, "quantize")
+    with pytest.raises(
+        ConfigError, match=r"^quantize.phases\[0\].rules\[0\].rht = -2: expected an int >= 0$"
+    ):
+        build_dataclass(QuantizeConfig, {"phases": [{"start": 5, "rules": [{"rht": -2}]}]}, "quantize")
+    q = QuantizeConfig()
+    with pytest.raises(ConfigError, match=r"^quantize.eval.recipe = 'fp3': expected one of bf16,"):
+        apply_dict(q, {"eval": {"recipe": "fp3"}}, "quantize")
+    # A section built in Python checks what it holds, each under its index.
+    bad = QuantRule()
+    object.__setattr__(bad, "scale_format", "fp64")
+    with pytest.raises(
+        ConfigError, match=r"^quantize.rules\[0\].scale_format = 'fp64': expected one of fp32,"
+    ):
+        QuantizeConfig(rules=[bad])
+
+
+def test_recipe_names_are_the_table_keys():
+    from typing import get_args
+
+    from low_bits_training.config.recipes import RECIPES, RecipeName
+
+    assert get_args(RecipeName) == tuple(RECIPES)
+    assert QuantizeConfig(recipe="nvfp4", rules=[QuantRule(scaling="tile", block_size=16)]).recipe == "nvfp4"

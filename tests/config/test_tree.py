@@ -67,7 +67,7 @@ def test_values_are_set_and_coerced():
         ({"inner": {"steps": "ten"}}, "inner.steps = 'ten' (str): expected int"),
         ({"inner": {"steps": True}}, "inner.steps = True (bool): expected int"),
         ({"inner": {"steps": 1.5}}, "inner.steps = 1.5 (float): expected int"),
-        ({"inner": {"mode": "c"}}, "inner.mode = 'c' (str): expected one of 'a', 'b'"),
+        ({"inner": {"mode": "c"}}, "inner.mode = 'c': expected one of a, b"),
         ({"inner": {"size": [1, 2, 3]}}, "inner.size = [1, 2, 3] (list): expected tuple[int, int]"),
         ({"inner": {"tags": [1]}}, "inner.tags = [1] (list): expected list[str]"),
         ({"items": [{"kwargs": {}}]}, "items[0]: missing required key 'pattern' (Item)"),

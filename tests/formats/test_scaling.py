@@ -66,7 +66,7 @@ def test_mx_nan_block_is_nan_and_zero_block_is_zero():
     assert (y[1, :32] == 0).all()
 
 
-ALL_ZERO_SPECS = [QuantSpec.mxfp8(), QuantSpec.mxfp4(scale_rounding="rceil"), QuantSpec.nvfp4(), QuantSpec.fp8_tensorwise(),
+ALL_ZERO_SPECS = [QuantSpec.mxfp8(scale_rounding="floor"), QuantSpec.mxfp4(scale_rounding="rceil"), QuantSpec.nvfp4(), QuantSpec.fp8_tensorwise(),
                   QuantSpec.fp8_rowwise(), QuantSpec.deepseek_weight(), QuantSpec.int8_rowwise(),
                   QuantSpec("e4m3", "block", block_size=128, scale_format="e8m0", scale_rounding="exact")]  # fmt: skip
 
@@ -171,7 +171,8 @@ def test_spec_validation_one_line_errors(kw, field):
 
 
 def test_spec_short_labels():
-    assert QuantSpec.mxfp8().short() == "e4m3/block32(e8m0,floor)/rne"
+    assert QuantSpec.mxfp8().short() == "e4m3/block32(e8m0,rceil)/rne"  # recipe mxfp8's numerics
+    assert QuantSpec.mxfp8(scale_rounding="floor").short() == "e4m3/block32(e8m0,floor)/rne"  # OCP's rule
     assert str(QuantSpec.nvfp4()) == "e2m1/block16(ue4m3,exact+t32)/rne"
     assert QuantSpec.deepseek_weight().short() == "e4m3/tile128x128(fp32,exact)/rne"
     assert QuantSpec("int8", "axis", rounding="stochastic").short() == "int8/axis-1(fp32,exact)/sr"

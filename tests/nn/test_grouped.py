@@ -8,7 +8,8 @@ from nn_helpers import plan_for, sqnr_db
 
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import LinearPlan, rng, run_gemm
+from low_bits_training.nn import LinearPlan, rng
+from low_bits_training.nn.functional import run_gemm
 from low_bits_training.nn.grouped import Groups, group_cast, grouped_linear, pad_multiple, run_grouped_gemm
 
 QUANTIZED = sorted(set(RECIPES) - {"bf16"})

@@ -59,3 +59,15 @@ def test_tp_shards_match_unsharded():
     for key, errs in out.items():
         # Same quantization on every element; only the summation order of the partial sums may differ.
         assert max(errs) < 1e-5, f"{key}: relative errors (output, grad_input, grad_weight) {errs}"
+
+
+def test_errors_name_the_role():
+    # A spec that cannot be cast on a shard is refused naming the GEMM operand (role), the spec and the dim.
+    from low_bits_training.formats import QuantSpec
+    from low_bits_training.nn.cast import cast
+
+    nvfp4 = QuantSpec.nvfp4(axis=1)
+    with pytest.raises(NotImplementedError, match=r"^quantize: dgrad.weight \(e2m1/block16.*sharded dim 1;"):
+        cast(torch.randn(32, 64), nvfp4, ((1, None),), role="dgrad.weight")
+    with pytest.raises(ValueError, match=r"^wgrad.input \(40, 64\) \(e2m1/block16@0.*block_size=16 does not"):
+        cast(torch.randn(40, 64), QuantSpec.nvfp4(axis=0), role="wgrad.input")

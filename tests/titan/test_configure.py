@@ -52,6 +52,24 @@ def test_bad_base_is_one_line(base, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--quantize.backend", "real"],
+            "quantize.backend = 'real': expected one of emulate, torchao, auto (the hand-written _scaled_mm",
+        ),
+        (["--numerics.nonfinite=halt"], "numerics.nonfinite = 'halt': expected one of off, warn, skip, stop"),
+        (["--numerics.stats-freq", "-1"], "numerics.stats_freq = -1: expected an int >= 0 (0: off)"),
+    ],
+)
+def test_a_flag_is_refused_in_the_words_of_the_toml(flags, message):
+    # A choice tyro refuses and a bound the section refuses read as the same key in a TOML file would.
+    with pytest.raises(ConfigError) as e:
+        load_config(DEBUG_TOML, flags)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match=r"^CONFIG_FILE = '.*nope.toml': no such file$"):
         load_config(tmp_path / "nope.toml", [])

@@ -1,18 +1,22 @@
-"""``[numerics]``: the section's typed, validated config."""
+"""``[numerics]``: the section's typed config (a ``Section``: checked when built)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
+
+from low_bits_training.config.section import AtLeast, Section
 
 Policy = Literal["off", "warn", "skip", "stop"]
 
 
 @dataclass(kw_only=True, slots=True)
-class NumericsConfig:
+class NumericsConfig(Section):
     """``[numerics]``: quantization statistics and what to do with NaN / Inf (see docs/numerics.md)."""
 
-    stats_freq: int = 0
+    SECTION: ClassVar[str] = "numerics"
+
+    stats_freq: Annotated[int, AtLeast(0, "0: off")] = 0
     """Collect statistics of every quantized GEMM operand on step 1 and every ``stats_freq`` steps (0: off)."""
     nonfinite: Policy = "warn"
     """On a NaN / Inf in a GEMM operand or product, the loss or a gradient: "warn" (log step/module/role/
@@ -32,13 +36,9 @@ class NumericsConfig:
     """Custom what-if formats: name -> QuantSpec fields as in a rule (format, scaling, block_size, ...)."""
 
     def check(self) -> None:
-        """Raises: ValueError (one line) for a negative ``stats_freq`` or an unknown policy."""
-        if isinstance(self.stats_freq, bool) or not isinstance(self.stats_freq, int) or self.stats_freq < 0:
-            raise ValueError(f"numerics.stats_freq = {self.stats_freq!r}: expected an int >= 0 (0: off)")
-        if self.nonfinite not in ("off", "warn", "skip", "stop"):
-            raise ValueError(
-                f"numerics.nonfinite = {self.nonfinite!r}: expected one of off, warn, skip, stop"
-            )
+        """Raises: ConfigError (one line) for a field that does not fit its type (``stats_freq >= 0``, a
+        ``Policy``) or what-if names that do not resolve (``config.whatif.check_names``)."""
+        Section.check(self)
         from low_bits_training.config.whatif import check_names
 
         check_names(self.whatif, self.whatif_specs, self.stats_freq)

@@ -16,10 +16,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from low_bits_training.nn import FLAG_SLOTS, ROLE_NAMES, ProbeMode, QuantLinear, probe
+from low_bits_training.nn import ROLE_NAMES, ProbeMode, QuantLinear, probe
+from low_bits_training.nn.probe import FLAG_SLOTS
 from low_bits_training.numerics import NonFinite, identity, reduce_ops
 from low_bits_training.numerics.records import NUMERICS_FILE, headline_metrics, rows
 from low_bits_training.numerics.whatif import whatif_headlines
+from low_bits_training.titan.ranks import is_rank0, rank
 
 from . import whatif
 from .config import NumericsConfig
@@ -31,10 +33,6 @@ _BACKWARD_SLOTS = [i for i, s in enumerate(FLAG_SLOTS) if not s.startswith("forw
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def clean_fqn(name: str) -> str:
@@ -135,7 +133,7 @@ class NumericsMonitor:
         hit = torch.nonzero(flags).flatten().tolist()  # the one host sync
         for _, layer in self.layers:
             layer.lbt_flags.zero_()
-        mine = NonFinite(self.step, *names[hit[0]], _rank()) if hit else None
+        mine = NonFinite(self.step, *names[hit[0]], rank()) if hit else None
         if self.cfg.nonfinite == "warn" or not dist.is_initialized() or dist.get_world_size() == 1:
             return mine
         flag = torch.tensor([float(mine is not None)], device=loss.device)
@@ -170,7 +168,7 @@ class NumericsMonitor:
         alt = whatif.whatif_table(self.whatif, self.step, _gather_union, reduce_raw)  # rows marked "whatif"
         if not table and not alt:
             return
-        if _rank() == 0:
+        if is_rank0():
             with open(os.path.join(self.dump_folder, NUMERICS_FILE), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in table + alt)
         if metrics_logger is not None:
