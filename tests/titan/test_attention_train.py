@@ -90,7 +90,7 @@ def test_bad_block_size_through_the_launcher(tmp_path):
     assert run.returncode == 2, run.log[-3000:]
     assert lines == [
         "low-bits-training: config error: quantize.rules[0]: layers.0.attention.qk forward.input: block_size = 48 "
-        "does not divide head_dim = 64 (Q, blocked along head_dim in the forward GEMM); use a divisor of 64 or "
+        "does not divide head_dim = 16 (Q, blocked along head_dim in the forward GEMM); use a divisor of 16 or "
         "exclude the role"
     ], run.log[-3000:]
     assert not (run.folder / "precision_plan.txt").exists()
