@@ -164,6 +164,27 @@ def check_comm(config: Any, layout: Layout) -> None:
         check_shard_degree(quantize.comm, layout.dp_shard)
 
 
+def check_numerics(config: Any, layout: Layout) -> None:
+    """Per-layer statistics need the layers' probes, which do not run under PP with torch.compile
+    (``titan.numerics.monitor.layer_probes_work``).
+
+    Raises:
+        ConfigError: ``[numerics] stats_freq`` or ``whatif`` with ``pipeline_parallel_degree > 1`` and compile.
+    """
+    from low_bits_training.titan.numerics.monitor import layer_probes_work
+
+    numerics = getattr(config, "numerics", None)
+    if numerics is None or layer_probes_work(layout.pp, config.compile.enable):
+        return
+    for key, value in (("stats_freq", numerics.stats_freq), ("whatif", numerics.whatif)):
+        if value:
+            raise ConfigError(
+                f"numerics.{key} = {value!r}: per-layer statistics are not collected under pipeline "
+                f"parallelism (pipeline_parallel_degree = {layout.pp}) with compile.enable = true; "
+                f"turn one of them off"
+            )
+
+
 def model_as_trained(config: Any) -> Any:
     """A copy of the model config as the trainer will hold it (after ``update_from_config``).
 
@@ -215,5 +236,6 @@ def check_run(config: Any, world_size: int) -> str | None:
     layout = parallel_layout(config, world_size)
     check_sequence(config, layout)
     check_comm(config, layout)
+    check_numerics(config, layout)
     model = model_as_trained(config)
     return preflight(config, trained_fingerprint(config, model), layout.data_ranks)

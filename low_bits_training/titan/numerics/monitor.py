@@ -81,8 +81,16 @@ def _gather_union(local: dict) -> dict:
 class NumericsMonitor:
     """Statistics and NaN checks for the ``QuantLinear`` modules of ``model_parts``."""
 
-    def __init__(self, config: NumericsConfig, model_parts: list[torch.nn.Module], dump_folder: str):
-        self.cfg, self.dump_folder = config, dump_folder
+    def __init__(
+        self,
+        config: NumericsConfig,
+        model_parts: list[torch.nn.Module],
+        dump_folder: str,
+        layer_probes: bool = True,
+    ):
+        """``layer_probes`` False (``layer_probes_work``): the layers record nothing; the non-finite policy
+        still checks each microbatch's loss and the gradients."""
+        self.cfg, self.dump_folder, self.layer_probes = config, dump_folder, layer_probes
         self.step, self.stats_on, self.skip = 0, False, False
         self.layers = quant_layers(model_parts)
         self.params = [(n, p) for m in model_parts for n, p in m.named_parameters()]
@@ -100,7 +108,8 @@ class NumericsMonitor:
         for _, layer in self.layers:
             probe.reset(layer.state)
         whatif.reset_all(self.whatif)
-        probe.set_mode(ProbeMode(stats=self.stats_on, nonfinite=self.cfg.nonfinite != "off"))
+        on = self.layer_probes
+        probe.set_mode(ProbeMode(stats=self.stats_on and on, nonfinite=on and self.cfg.nonfinite != "off"))
 
     def _ordered_flags(self, loss: torch.Tensor) -> tuple[list[tuple[str, str]], torch.Tensor]:
         """Every check of this microbatch in execution order: forward slots layer by layer, the loss,
@@ -174,3 +183,14 @@ class NumericsMonitor:
         if metrics_logger is not None:
             heads = headline_metrics(table, self.cfg.log_layers)
             metrics_logger.log({**heads, **whatif_headlines(alt, self.cfg.log_layers)}, self.step)
+
+
+def layer_probes_work(pipeline_degree: int, compiled: bool) -> bool:
+    """Whether the layers' in-graph probes can run: not under pipeline parallelism with torch.compile.
+
+    A compiled block saves the probe tensors for its backward; a pipeline schedule runs the next
+    microbatch's forward (which writes them) before this one's backward, and autograd refuses the saved
+    tensor's new version. There the non-finite policy checks the loss and the gradients only, and
+    statistics are refused before the run (``titan.validate.check_numerics``).
+    """
+    return not (pipeline_degree > 1 and compiled)

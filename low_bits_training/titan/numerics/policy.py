@@ -11,7 +11,7 @@ from torchtitan.tools.logging import logger
 
 from low_bits_training.numerics import NonFinite
 
-from .monitor import NumericsMonitor
+from .monitor import NumericsMonitor, layer_probes_work
 
 NONFINITE_EXIT_CODE = 3
 """Exit code of a run ended by ``[numerics] nonfinite = "stop"``."""
@@ -32,7 +32,13 @@ class TrainerExtras:
     def __init__(self, trainer):
         cfg = trainer.config
         self.trainer, self.cfg = trainer, cfg.numerics
-        self.monitor = NumericsMonitor(cfg.numerics, trainer.model_parts, cfg.dump_folder)
+        probes = layer_probes_work(cfg.parallelism.pipeline_parallel_degree, cfg.compile.enable)
+        self.monitor = NumericsMonitor(cfg.numerics, trainer.model_parts, cfg.dump_folder, probes)
+        if not probes and cfg.numerics.nonfinite != "off":
+            logger.warning(
+                "low-bits-training: numerics.nonfinite checks the loss and the gradients only under pipeline "
+                "parallelism with torch.compile (the layers' per-role checks need eager or no PP)"
+            )
         if cfg.numerics.nonfinite == "skip":
             trainer.optimizers.register_step_pre_hook(self._maybe_drop_grads)
 
