@@ -31,9 +31,9 @@ from torch import nn
 
 from low_bits_training.formats import QuantSpec
 
-from . import delayed, probe, rng
+from . import probe
 from .functional import GEMM_OPERANDS, GemmState, cast_operand, source_operand
-from .linear import HISTORY_BUFFER
+from .linear import HISTORY_BUFFER, register_state_buffers
 from .probe import NO_STATE, LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan, Role
 
@@ -218,13 +218,7 @@ class ProductState(nn.Module):
 
     def init_state_buffers(self, device=None, name: str = "") -> None:
         """(Re)create the buffers on ``device``; the random key derives from ``name`` (the plan entry)."""
-        key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
-        self.register_buffer("lbt_key", key, persistent=False)
-        self.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
-        self.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
-        history = delayed.new_history(self.plan.specs, device)
-        if history is not None:
-            self.register_buffer(HISTORY_BUFFER, history, persistent=True)
+        register_state_buffers(self, self.plan, device, name)
 
     @property
     def state(self) -> GemmState:

@@ -35,6 +35,7 @@ from low_bits_training.formats import (
 from . import probe, rng
 from .cast import check_fits
 from .functional import GEMM_OPERANDS
+from .linear import register_state_buffers
 from .probe import LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan
 
@@ -292,10 +293,7 @@ class GroupedQuantState(nn.Module):
 
     def init_state_buffers(self, device=None, name: str = "") -> None:
         """(Re)create the key and probe buffers on ``device``; the key derives from ``name``."""
-        key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
-        self.register_buffer("lbt_key", key, persistent=False)
-        self.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
-        self.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
+        register_state_buffers(self, self.plan, device, name)
 
     def set_name(self, name: str) -> None:
         """Key this weight's random streams by its FQN."""

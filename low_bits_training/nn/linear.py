@@ -43,13 +43,7 @@ class QuantLinear(nn.Linear):
     def init_state_buffers(self, device=None, name: str = "") -> None:
         """(Re)create the key and probe buffers on ``device``; the key derives from the layer's ``name``.
         With delayed-scaled roles also the amax history (``HISTORY_BUFFER``, persistent: in checkpoints)."""
-        key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
-        self.register_buffer("lbt_key", key, persistent=False)
-        self.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
-        self.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
-        history = delayed.new_history(self.plan.specs, device)
-        if history is not None:
-            self.register_buffer(HISTORY_BUFFER, history, persistent=True)
+        register_state_buffers(self, self.plan, device, name)
 
     def set_name(self, name: str) -> None:
         """Key this layer's random streams by its FQN (so every layer rounds with its own bits)."""
@@ -73,3 +67,17 @@ class QuantLinear(nn.Linear):
     def extra_repr(self) -> str:
         n = sum(s is not None for s in self.plan.specs)
         return f"{super().extra_repr()}, quantized_roles={n}/6"
+
+
+def register_state_buffers(module: nn.Module, plan: LinearPlan, device=None, name: str = "") -> None:
+    """(Re)create a quantized module's state buffers (``STATE_BUFFERS``, non-persistent: the random key
+    derived from ``name``, the probes) and, with delayed-scaled roles, the persistent amax history
+    (``HISTORY_BUFFER``, in checkpoints). Shared by ``QuantLinear``, the attention products and the grouped
+    experts."""
+    key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
+    module.register_buffer("lbt_key", key, persistent=False)
+    module.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
+    module.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
+    history = delayed.new_history(plan.specs, device)
+    if history is not None:
+        module.register_buffer(HISTORY_BUFFER, history, persistent=True)
