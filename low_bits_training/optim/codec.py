@@ -34,11 +34,12 @@ from low_bits_training.formats import (
     round_to,
 )
 from low_bits_training.formats.rounding import round_signed_
-from low_bits_training.formats.table import Format, IntFormat
+from low_bits_training.formats.table import FloatFormat, Format, IntFormat
 
 from .presets import NATIVE
 
 _NATIVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @functools.cache
@@ -48,12 +49,86 @@ def _lut(fmt: str, device: torch.device) -> torch.Tensor:
     return decode(torch.arange(2**f.bits, dtype=torch.uint8, device=device), f)
 
 
+def native_dtype(fmt: Format, device: torch.device) -> torch.dtype | None:
+    """The torch fp8 dtype that stores ``fmt``'s codes where its cast kernels are vectorized (CPU), else None.
+
+    Its codes are ours bit for bit (NaN and -0 included; tested), so a cast to it rounds nearest-even with
+    subnormals exactly as ``formats`` does. Not used on CUDA: Triton lacks fp8 on GPUs before sm89.
+    """
+    dtype = getattr(fmt, "torch_dtype", None)
+    return dtype if dtype in _FP8_DTYPES and device.type == "cpu" else None
+
+
+def _small_float(fmt: Format) -> bool:
+    # Float formats whose values are (integer significand << exponent field) * 2**-(bias + mbits) in int32.
+    return isinstance(fmt, FloatFormat) and fmt.signed and fmt.subnormals and fmt.ebits <= 4
+
+
+def _decode_small(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``formats.decode`` of a ``_small_float`` format in integer shifts and one exact multiply (no bit
+    reinterpretation, which inductor's CPU code does element by element)."""
+    c = codes.to(torch.int32)
+    body_bits = fmt.ebits + fmt.mbits
+    body = c & (2**body_bits - 1)
+    field, mant = body >> fmt.mbits, body & (2**fmt.mbits - 1)
+    sig = torch.where(field == 0, mant << 1, (mant | 2**fmt.mbits) << field)  # value * 2**(bias + mbits)
+    v = sig.to(torch.float32) * 2.0 ** -(fmt.bias + fmt.mbits)
+    top_field = 2**fmt.ebits - 1
+    if fmt.has_inf:
+        v = torch.where(field == top_field, torch.where(mant == 0, math.inf, math.nan), v)
+    elif fmt.has_nan:
+        v = torch.where(body == 2**body_bits - 1, math.nan, v)
+    return torch.where(((c >> body_bits) & 1) == 1, -v, v)
+
+
 def decode_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fp32 values of uint8 codes (same shape): a table lookup eagerly; ``formats.decode``'s arithmetic
-    under torch.compile (a gather does not vectorize there). Both equal ``formats.decode`` (tested)."""
-    if torch.compiler.is_compiling():
-        return decode(codes, fmt)
-    return _lut(fmt, codes.device)[codes.long()]
+    """fp32 values of uint8 codes (same shape), equal to ``formats.decode`` (tested): the fp8 dtype's cast on
+    CPU; otherwise a table lookup eagerly, integer arithmetic under torch.compile (a gather does not
+    vectorize there)."""
+    f = get_format(fmt)
+    dtype = native_dtype(f, codes.device)
+    if dtype is not None:
+        return codes.view(dtype).to(torch.float32)
+    if not torch.compiler.is_compiling():
+        return _lut(fmt, codes.device)[codes.long()]
+    return _decode_small(codes, f) if _small_float(f) else decode(codes, f)
+
+
+def nearest_codes(q: torch.Tensor, sign: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor | None:
+    """uint8 codes of ``q`` (fp32 values divided by their scale; ``sign``: the values) rounded to nearest-even
+    on ``fmt``'s grid, by a route that vectorizes where the general one (``round_signed_`` + ``grid_codes``)
+    does not; None when ``fmt`` has none. Equal to ``formats.quantize``'s codes bit for bit (tested, NaN, inf
+    and -0 included).
+
+    fp8 on CPU: the dtype's cast. Float formats of <= 4 bits without NaN or inf (fp4): the magnitude's code is
+    the number of rounding thresholds (midpoints of neighbouring grid values) it passes, a tie going to the
+    even code; a NaN passes none (code +-0, as ``formats.encode`` gives formats without NaN).
+    """
+    dtype = native_dtype(fmt, q.device)
+    if dtype is not None and (saturate or fmt.has_inf):
+        q = (q.clamp(-fmt.max, fmt.max) if saturate else q).copysign(sign)  # a NaN takes the value's sign
+        return q.to(dtype).view(torch.uint8)
+    small = _small_float(fmt) and fmt.bits <= 4 and not (fmt.has_nan or fmt.has_inf)
+    if not (small and (saturate or fmt.saturates_always)):
+        return None
+    a = q.abs()
+    code = torch.zeros_like(a, dtype=torch.int32)
+    for upper, mid in _thresholds(fmt):
+        code = code + (a >= mid if upper % 2 == 0 else a > mid).to(torch.int32)
+    return (code | (torch.signbit(sign).to(torch.int32) << (fmt.bits - 1))).to(torch.uint8)
+
+
+def _thresholds(fmt: FloatFormat) -> list[tuple[int, float]]:
+    """(code of the upper neighbour, midpoint) for each pair of neighbouring non-negative grid values of a
+    ``_small_float`` format (plain Python: constants when traced)."""
+
+    def value(c: int) -> float:
+        field, mant = c >> fmt.mbits, c & (2**fmt.mbits - 1)
+        sig = mant << 1 if field == 0 else (mant | 2**fmt.mbits) << field
+        return math.ldexp(sig, -(fmt.bias + fmt.mbits))
+
+    codes = [c for c in range(1, 2 ** (fmt.bits - 1)) if value(c) <= fmt.max]
+    return [(c, (value(c - 1) + value(c)) / 2) for c in codes]
 
 
 def grid_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -174,14 +249,14 @@ class StateCodec:
             return {"": native_round(x, self.spec, key)}
         spec = self.spec
         xg = x.reshape(-1, spec.block_size if spec.scaling == "block" else x.shape[-1]).float()
-        if spec.scaling == "block":
-            scale = group_scales(xg, spec, (1,)).scale  # (blocks, 1)
-            a = (xg / scale).abs_()
-        else:
-            scale, a = None, xg.abs()
-        y = round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, key)
+        scale = group_scales(xg, spec, (1,)).scale if spec.scaling == "block" else None  # (blocks, 1)
+        q = xg if scale is None else xg / scale
+        codes = nearest_codes(q, xg, spec.elem, spec.saturate) if spec.rounding == "nearest" else None
+        if codes is None:
+            y = round_signed_(q.abs(), xg, spec.elem, spec.rounding, spec.saturate, key)
+            codes = grid_codes(y, spec.elem)
         shapes = self.part_shapes(tuple(x.shape))
-        parts = {"_codes": pack_rows(grid_codes(y, spec.elem), spec.elem.bits).reshape(shapes["_codes"])}
+        parts = {"_codes": pack_rows(codes, spec.elem.bits).reshape(shapes["_codes"])}
         if scale is not None:
             sf = spec.scale_format
             s = scale.reshape(shapes["_scales"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from low_bits_training.formats import decode, encode, get_format
+from low_bits_training.formats import decode, dequantize, encode, get_format, quantize
 from low_bits_training.optim import LowBitAdamW, LowBitSGD, StateCodec, parse_state_format
 from low_bits_training.optim.codec import grid_codes
 from low_bits_training.optim.kernels import sqrt_rn
@@ -103,6 +103,48 @@ def test_grid_codes_equal_formats_encode_eager_and_compiled():
     for f, got in zip(GRID_FORMATS, compiled(values), strict=True):
         assert torch.equal(grid_codes(values[f], get_format(f)), want[f]), f
         assert torch.equal(got, want[f]), f
+
+
+FAST_ROUTE_FORMATS = ("e4m3_block128", "e5m2_block128", "e2m1_block128", "e2m1_block32_e8m0", "e2m3_block32")
+"""State formats whose nearest codes and decoding take ``optim.codec``'s vectorizing routes (the fp8 dtypes'
+casts on CPU, threshold counting and integer decoding for small float formats)."""
+
+
+def _values_with_specials() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 256, generator=g) * torch.logspace(-6, 3, 16)[:, None]
+    x[0, :8] = torch.tensor(
+        [float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-40]
+    )
+    x[1, :4] = torch.tensor([-0.0, 0.0, 1e-40, -1e-40])
+    x[2] = 0.0
+    x[2, 5] = -0.0
+    # e2m1's midpoints (ties to the even code) in blocks whose amax maps to 6
+    x[3] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 32) * torch.tensor([1.0, -1.0]).repeat(
+        128
+    )
+    return x
+
+
+def test_fast_codec_routes_equal_formats_quantize_eager_and_compiled():
+    x = _values_with_specials()
+    codecs = [StateCodec(parse_state_format(n)) for n in FAST_ROUTE_FORMATS]
+    encode_all = torch.compile(lambda x: [c.encode(x) for c in codecs], fullgraph=True)
+    decode_all = torch.compile(
+        lambda ps: [c.decode(p, (16, 256)) for c, p in zip(codecs, ps, strict=True)], fullgraph=True
+    )
+    compiled = encode_all(x)
+    decoded = decode_all(compiled)
+    for name, c, parts, values in zip(FAST_ROUTE_FORMATS, codecs, compiled, decoded, strict=True):
+        q = quantize(x, c.spec)
+        want = dequantize(q)
+        for got in (c.encode(x), parts):
+            assert torch.equal(got["_codes"].reshape(-1), q.codes), name
+        for got in (c.decode(parts, (16, 256)), values):
+            assert torch.equal(got.isnan(), want.isnan()), name
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(
+                got[~got.isnan()].signbit(), want[~want.isnan()].signbit()
+            ), name
 
 
 def test_sqrt_rn_is_correctly_rounded_eager_and_compiled():
