@@ -16,7 +16,7 @@ from .spec import QuantSpec
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, GroupScales]:
     gshape, dims = grouped_shape(x.shape, spec)
     xg = x.reshape(gshape).to(torch.float32)
-    return xg, group_scales(xg, spec, dims)
+    return xg, group_scales(xg, spec, dims, own_buffer=True)
 
 
 def _round_scaled(xg: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, generator) -> torch.Tensor:

@@ -15,6 +15,7 @@ everything above the top binade past ``max``, where the overflow rule takes over
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -145,13 +146,54 @@ def _sr_bits(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _native_fp8_ok(fmt: FloatFormat, saturate: bool) -> bool:
-    # Eager only: torch's fp8 cast kernels are one pass each (vs ~6 for the add/sub trick), and their numerics
-    # are ours (held to the reference and ml_dtypes in tests): e4m3fn saturates (so only saturate=True),
-    # e5m2 overflows to inf (the overflow rule then clamps if asked). Under torch.compile the add/sub trick
-    # fuses into the one kernel instead.
+def _native_fp8_ok(fmt: FloatFormat, saturate: bool, device: torch.device) -> bool:
+    # torch's fp8 cast kernels are one pass each (vs ~6 for the add/sub trick), and their numerics are ours
+    # (held to the reference and ml_dtypes in tests): e4m3fn saturates (so only saturate=True), e5m2 overflows
+    # to inf (the overflow rule then clamps if asked). Eagerly always; under torch.compile on CPU too, where
+    # inductor vectorizes the cast (and not the add/sub trick's bit reinterpretations). Not compiled for CUDA:
+    # Triton lacks fp8 on GPUs before sm89, and the add/sub trick fuses into the kernel there.
     ok = NATIVE_FP8_CASTS and fmt.torch_dtype in _FP8 and (saturate or fmt.has_inf)
-    return ok and not torch.compiler.is_compiling()
+    return ok and (device.type == "cpu" or not torch.compiler.is_compiling())
+
+
+def threshold_format(fmt: Format) -> bool:
+    """True for formats rounded by counting thresholds (``nearest_thresholds``): signed float formats of
+    <= 4 bits with subnormals and neither inf nor NaN (fp4: e2m1)."""
+    return (
+        isinstance(fmt, FloatFormat)
+        and fmt.bits <= 4
+        and fmt.signed
+        and fmt.subnormals
+        and not (fmt.has_inf or fmt.has_nan)
+    )
+
+
+def nearest_thresholds(fmt: FloatFormat) -> list[tuple[int, float, float]]:
+    """(code, midpoint, step) for each non-negative grid value above 0 of a ``threshold_format``: a magnitude
+    above the midpoint between it and the value below (at it, when the code is even: ties to even) rounds
+    to it or higher; ``step`` is the gap to the value below. Plain Python, so constants when traced."""
+
+    def value(c: int) -> float:
+        field, mant = c >> fmt.mbits, c & (2**fmt.mbits - 1)
+        sig = mant << 1 if field == 0 else (mant | 2**fmt.mbits) << field
+        return math.ldexp(sig, -(fmt.bias + fmt.mbits))
+
+    codes = [c for c in range(1, 2 ** (fmt.bits - 1)) if value(c) <= fmt.max]
+    return [(c, (value(c - 1) + value(c)) / 2, value(c) - value(c - 1)) for c in codes]
+
+
+def _rne_thresholds(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round-half-even of magnitudes ``a`` onto a ``threshold_format``'s grid by comparisons and exact adds
+    (values above max land on max; NaN stays NaN). Used under torch.compile on CPU, where it vectorizes and
+    the bit tricks do not."""
+    y = torch.zeros_like(a)
+    for code, mid, step in nearest_thresholds(fmt):
+        y = y + torch.where(a >= mid if code % 2 == 0 else a > mid, step, 0.0)
+    return torch.where(a != a, a, y)
+
+
+def _compiling_for_cpu(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.compiler.is_compiling()
 
 
 def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
@@ -174,8 +216,10 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
     """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule (a may be overwritten)."""
     if isinstance(fmt, IntFormat):
         y = _round_int(a, rounding, generator)
-    elif rounding == "nearest" and FAST_PATHS and _native_fp8_ok(fmt, saturate):
+    elif rounding == "nearest" and FAST_PATHS and _native_fp8_ok(fmt, saturate, a.device):
         y = a.to(fmt.torch_dtype).to(torch.float32)
+    elif rounding == "nearest" and FAST_PATHS and threshold_format(fmt) and _compiling_for_cpu(a.device):
+        y = _rne_thresholds(a, fmt)
     elif rounding == "nearest" and FAST_PATHS and _magic_ok(fmt):
         y = _rne_magic(a, fmt)
     elif rounding == "nearest" and FAST_PATHS and _bits_ok(fmt):

@@ -158,8 +158,20 @@ def tensor_scale_max(spec: QuantSpec) -> float:
     return adaptive.TENSOR_SCALE_MAX if spec.four_over_six != "off" else get_format(spec.scale_format).max
 
 
-def group_scales(xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...]) -> GroupScales:
-    """Scales of an already grouped tensor ``xg`` (see ``grouped_shape``)."""
+def group_scales(
+    xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...], own_buffer: bool = False
+) -> GroupScales:
+    """Scales of an already grouped tensor ``xg`` (see ``grouped_shape``).
+
+    ``own_buffer``: under torch.compile on CPU, compute the scales into a buffer of their own (``materialize``)
+    instead of letting inductor inline the amax -> scale arithmetic into the loop that divides by the scale.
+    Inlined, that arithmetic (with its bit reinterpretations, which inductor's CPU code does element by
+    element) runs once per vector of elements, or once per element where the scale varies along the
+    contiguous last dim (blocks or per-column scales along a leading dim, e.g. the weight-gradient GEMM's
+    token-dim blocks): up to 2-3x the cost of the whole cast. The same arithmetic, so the same values. For
+    whole-tensor casts (``fake_quantize``, ``quantize``); not for the optimizer's fused chunk updates, whose
+    per-row scales cost little inline and whose kernels it would split.
+    """
     amax = group_amax(xg, dims)
     if spec.scaling == "none":
         one = torch.ones_like(amax)
@@ -172,7 +184,21 @@ def group_scales(xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...]) -> Gr
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
         bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
+    if own_buffer and xg.device.type == "cpu" and torch.compiler.is_compiling():
+        bs = materialize(bs)
     return GroupScales(amax, bs if ts is None else bs * ts, bs, ts)
+
+
+@torch.library.custom_op("lbt::materialize", mutates_args=())
+def materialize(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that torch.compile computes into a buffer of its own (an opaque op: inductor cannot
+    inline what produced ``x`` into the kernels that read the copy)."""
+    return x.clone()
+
+
+@materialize.register_fake
+def _materialize_shape(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def compute_scales(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -33,7 +33,7 @@ from low_bits_training.formats import (
     group_scales,
     round_to,
 )
-from low_bits_training.formats.rounding import round_signed_
+from low_bits_training.formats.rounding import nearest_thresholds, round_signed_, threshold_format
 from low_bits_training.formats.table import FloatFormat, Format, IntFormat
 
 from .presets import NATIVE
@@ -108,27 +108,13 @@ def nearest_codes(q: torch.Tensor, sign: torch.Tensor, fmt: Format, saturate: bo
     if dtype is not None and (saturate or fmt.has_inf):
         q = (q.clamp(-fmt.max, fmt.max) if saturate else q).copysign(sign)  # a NaN takes the value's sign
         return q.to(dtype).view(torch.uint8)
-    small = _small_float(fmt) and fmt.bits <= 4 and not (fmt.has_nan or fmt.has_inf)
-    if not (small and (saturate or fmt.saturates_always)):
+    if not (threshold_format(fmt) and (saturate or fmt.saturates_always)):
         return None
     a = q.abs()
     code = torch.zeros_like(a, dtype=torch.int32)
-    for upper, mid in _thresholds(fmt):
+    for upper, mid, _ in nearest_thresholds(fmt):
         code = code + (a >= mid if upper % 2 == 0 else a > mid).to(torch.int32)
     return (code | (torch.signbit(sign).to(torch.int32) << (fmt.bits - 1))).to(torch.uint8)
-
-
-def _thresholds(fmt: FloatFormat) -> list[tuple[int, float]]:
-    """(code of the upper neighbour, midpoint) for each pair of neighbouring non-negative grid values of a
-    ``_small_float`` format (plain Python: constants when traced)."""
-
-    def value(c: int) -> float:
-        field, mant = c >> fmt.mbits, c & (2**fmt.mbits - 1)
-        sig = mant << 1 if field == 0 else (mant | 2**fmt.mbits) << field
-        return math.ldexp(sig, -(fmt.bias + fmt.mbits))
-
-    codes = [c for c in range(1, 2 ** (fmt.bits - 1)) if value(c) <= fmt.max]
-    return [(c, (value(c - 1) + value(c)) / 2) for c in codes]
 
 
 def grid_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:

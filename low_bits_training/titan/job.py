@@ -8,7 +8,9 @@ from typing import Annotated, ClassVar
 from low_bits_training.config.section import Matches, Section
 
 BASE_SHAPE = Matches(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "'module:function', e.g. 'llama3:llama3_debugmodel'")
-NAME_SHAPE = Matches(r"([A-Za-z0-9][A-Za-z0-9._-]*)?", "letters, digits, '.', '_' and '-' (it names a folder)")
+NAME_SHAPE = Matches(
+    r"([A-Za-z0-9][A-Za-z0-9._-]*)?", "letters, digits, '.', '_' and '-' (it names a folder)"
+)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -59,7 +59,9 @@ class TitanQuantLinear(WhatIfLinear, Module):
         # (a None slot is skipped there; the buffers are per-rank, never sharded or checkpointed).
         for name in STATE_BUFFERS:
             self.register_buffer(name, None, persistent=False)
-        if getattr(self, HISTORY_BUFFER, None) is not None:  # delayed scaling: persistent, per rank (nn.delayed)
+        if (
+            getattr(self, HISTORY_BUFFER, None) is not None
+        ):  # delayed scaling: persistent, per rank (nn.delayed)
             self.register_buffer(HISTORY_BUFFER, None)
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:

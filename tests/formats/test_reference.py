@@ -204,26 +204,36 @@ def test_round_magnitude_ignores_sign_handling():
 
 
 def test_torch_compile_matches_eager_bit_for_bit():
-    """The compiled kernels (inductor C++) keep the numerics: -0, NaN, ties, subnormals, overflow. One graph
-    holds several paths (one compile): magic-add RNE, e8mY bit RNE (inductor folds bf16 cast pairs, which
-    is why bf16 does not use a cast), MX, NVFP4, and the generic path."""
+    """The compiled kernels (inductor C++) keep the numerics: -0, NaN, inf, ties, subnormals, overflow. One
+    graph holds several paths (one compile): magic-add RNE, the fp8 dtypes' casts (compiled on CPU), fp4 by
+    thresholds (compiled on CPU), e8mY bit RNE (inductor folds bf16 cast pairs, which is why bf16 does not
+    use a cast), MX, NVFP4 (scales in their own buffer: ``group_scales(own_buffer=True)``), blocks along a
+    leading dim, and the generic path."""
+    from dataclasses import replace
+
     from low_bits_training.formats import QuantSpec, fake_quantize
 
-    x = torch.cat(
+    elems = torch.cat(
         [probe_values("e4m3", n_random=4000, seed=11), probe_values("e2m1", n_random=4000, seed=12)]
     )
-    x = x[: x.numel() // 64 * 64].reshape(-1, 64)
+    x = elems[: elems.numel() // 2048 * 2048].reshape(-1, 64)  # rows: a multiple of 32 (blocks along dim 0)
     x[torch.isinf(x)] = 1.0  # inf in a block would make the whole block's scale huge; tested elsewhere
+    mx_cols = replace(QuantSpec.mxfp8(), axis=0)
 
-    def fn(t):
+    def fn(t, e):
         return (
-            round_to(t, "e4m3", saturate=False),
-            round_to(t, "bf16"),
-            round_to(t, "e8m0"),
-            round_to(t, "int4", "toward_zero"),
+            round_to(e, "e4m3", saturate=False),
+            round_to(e, "e4m3"),
+            round_to(e, "e5m2", saturate=False),
+            round_to(e, "e2m1"),
+            round_to(e, "bf16"),
+            round_to(e, "e8m0"),
+            round_to(e, "int4", "toward_zero"),
             fake_quantize(t, QuantSpec.mxfp4()),
+            fake_quantize(t, mx_cols),
             fake_quantize(t, QuantSpec.nvfp4()),
+            fake_quantize(t, QuantSpec.fp8_rowwise()),
         )
 
-    for got, want in zip(torch.compile(fn, dynamic=False)(x), fn(x), strict=True):
+    for got, want in zip(torch.compile(fn, dynamic=False)(x, elems), fn(x, elems), strict=True):
         assert_same_bits(got, want, "compiled vs eager")
