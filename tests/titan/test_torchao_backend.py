@@ -63,7 +63,10 @@ def emulated(plan, x, w, dy):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_hp_wgrad", "mxfp8"])
 def test_torchao_module_matches_our_emulation(recipe, dtype):
-    exact = recipe != "fp8_tensorwise" if dtype == torch.float32 else recipe == "fp8_rowwise"
+    # fp32: the same casts and fp32 GEMMs (tensorwise: fp32 scale division vs multiplication, last bits).
+    # bf16: our GEMMs of power-of-two-scaled casts run in bf16 (nn.functional.gemm_dtype), torchao's
+    # emulation in fp32: the same exact products, accumulated in another order, so rare last-bit flips.
+    exact = recipe != "fp8_tensorwise" and dtype == torch.float32
     for seed in range(2):
         x, w, dy = operands(m=M, k=K, n=N, dtype=dtype, seed=seed)
         module, plan = torchao_layer(recipe, dtype)
