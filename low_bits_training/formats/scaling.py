@@ -163,14 +163,14 @@ def group_scales(
 ) -> GroupScales:
     """Scales of an already grouped tensor ``xg`` (see ``grouped_shape``).
 
-    ``own_buffer``: under torch.compile on CPU, compute the scales into a buffer of their own (``materialize``)
-    instead of letting inductor inline the amax -> scale arithmetic into the loop that divides by the scale.
-    Inlined, that arithmetic (with its bit reinterpretations, which inductor's CPU code does element by
-    element) runs once per vector of elements, or once per element where the scale varies along the
-    contiguous last dim (blocks or per-column scales along a leading dim, e.g. the weight-gradient GEMM's
-    token-dim blocks): up to 2-3x the cost of the whole cast. The same arithmetic, so the same values. For
-    whole-tensor casts (``fake_quantize``, ``quantize``); not for the optimizer's fused chunk updates, whose
-    per-row scales cost little inline and whose kernels it would split.
+    ``own_buffer``: under torch.compile on CPU, where the scale varies along the contiguous last dim (blocks
+    or per-column scales along a leading dim, e.g. the weight-gradient GEMM's token-dim blocks), compute the
+    scales into a buffer of their own (``materialize``). Inlined, inductor derives the scale again for every
+    element there, with bit reinterpretations it runs element by element: 1.5-2x the cost of the whole cast.
+    The same arithmetic, so the same values. (Also materializing row-block and tensor scales was faster
+    still, but tripped an inductor assertion in a loop-split pass in the MoE model's compiled backward.) For
+    whole-tensor casts (``fake_quantize``, ``quantize``); the optimizer's fused chunk updates have per-row
+    scales.
     """
     amax = group_amax(xg, dims)
     if spec.scaling == "none":
@@ -184,7 +184,7 @@ def group_scales(
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
         bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
-    if own_buffer and xg.device.type == "cpu" and torch.compiler.is_compiling():
+    if own_buffer and xg.device.type == "cpu" and torch.compiler.is_compiling() and xg.dim() - 1 not in dims:
         bs = materialize(bs)
     return GroupScales(amax, bs if ts is None else bs * ts, bs, ts)
 
