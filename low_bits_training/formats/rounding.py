@@ -143,7 +143,8 @@ def _sr_bits(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
     return torch.where(sub, y - fmt.min_normal, torch.where(torch.isnan(a), a, y))
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_CAST_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""torch's fp8 dtypes whose casts round exactly as this module does (tested)."""
 
 
 def _native_fp8_ok(fmt: FloatFormat, saturate: bool, device: torch.device) -> bool:
@@ -152,8 +153,8 @@ def _native_fp8_ok(fmt: FloatFormat, saturate: bool, device: torch.device) -> bo
     # to inf (the overflow rule then clamps if asked). Eagerly always; under torch.compile on CPU too, where
     # inductor vectorizes the cast (and not the add/sub trick's bit reinterpretations). Not compiled for CUDA:
     # Triton lacks fp8 on GPUs before sm89, and the add/sub trick fuses into the kernel there.
-    ok = NATIVE_FP8_CASTS and fmt.torch_dtype in _FP8 and (saturate or fmt.has_inf)
-    return ok and (device.type == "cpu" or not torch.compiler.is_compiling())
+    ok = NATIVE_FP8_CASTS and fmt.torch_dtype in FP8_CAST_DTYPES and (saturate or fmt.has_inf)
+    return ok and (compiling_for_cpu(device) or not torch.compiler.is_compiling())
 
 
 def threshold_format(fmt: Format) -> bool:
@@ -192,7 +193,9 @@ def _rne_thresholds(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return torch.where(a != a, a, y)
 
 
-def _compiling_for_cpu(device: torch.device) -> bool:
+def compiling_for_cpu(device: torch.device) -> bool:
+    """True while torch.compile traces code for a CPU tensor (inductor's C++ backend: where bit
+    reinterpretations run element by element and the fp8 casts vectorize)."""
     return device.type == "cpu" and torch.compiler.is_compiling()
 
 
@@ -218,7 +221,7 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
         y = _round_int(a, rounding, generator)
     elif rounding == "nearest" and FAST_PATHS and _native_fp8_ok(fmt, saturate, a.device):
         y = a.to(fmt.torch_dtype).to(torch.float32)
-    elif rounding == "nearest" and FAST_PATHS and threshold_format(fmt) and _compiling_for_cpu(a.device):
+    elif rounding == "nearest" and FAST_PATHS and threshold_format(fmt) and compiling_for_cpu(a.device):
         y = _rne_thresholds(a, fmt)
     elif rounding == "nearest" and FAST_PATHS and _magic_ok(fmt):
         y = _rne_magic(a, fmt)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from . import adaptive
-from .rounding import exp2i, floor_log2, round_to
+from .rounding import compiling_for_cpu, exp2i, floor_log2, round_to
 from .spec import QuantSpec
 from .table import get_format
 
@@ -184,7 +184,7 @@ def group_scales(
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
         bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
-    if own_buffer and xg.device.type == "cpu" and torch.compiler.is_compiling() and xg.dim() - 1 not in dims:
+    if own_buffer and compiling_for_cpu(xg.device) and xg.dim() - 1 not in dims:
         bs = materialize(bs)
     return GroupScales(amax, bs if ts is None else bs * ts, bs, ts)
 

@@ -33,13 +33,17 @@ from low_bits_training.formats import (
     group_scales,
     round_to,
 )
-from low_bits_training.formats.rounding import nearest_thresholds, round_signed_, threshold_format
+from low_bits_training.formats.rounding import (
+    FP8_CAST_DTYPES,
+    nearest_thresholds,
+    round_signed_,
+    threshold_format,
+)
 from low_bits_training.formats.table import FloatFormat, Format, IntFormat
 
 from .presets import NATIVE
 
 _NATIVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @functools.cache
@@ -56,7 +60,7 @@ def native_dtype(fmt: Format, device: torch.device) -> torch.dtype | None:
     subnormals exactly as ``formats`` does. Not used on CUDA: Triton lacks fp8 on GPUs before sm89.
     """
     dtype = getattr(fmt, "torch_dtype", None)
-    return dtype if dtype in _FP8_DTYPES and device.type == "cpu" else None
+    return dtype if dtype in FP8_CAST_DTYPES and device.type == "cpu" else None
 
 
 def _small_float(fmt: Format) -> bool:
