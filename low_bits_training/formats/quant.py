@@ -9,14 +9,16 @@ import torch
 from .codec import decode, encode, pack, unpack
 from .random import RandomSource
 from .rounding import round_signed_
-from .scaling import GroupScales, group_scales, grouped_shape
+from .scaling import GroupScales, OwnBuffer, group_scales, grouped_shape
 from .spec import QuantSpec
 
 
-def _grouped(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, GroupScales]:
+def _grouped(
+    x: torch.Tensor, spec: QuantSpec, own_buffer: OwnBuffer = "columns"
+) -> tuple[torch.Tensor, GroupScales]:
     gshape, dims = grouped_shape(x.shape, spec)
     xg = x.reshape(gshape).to(torch.float32)
-    return xg, group_scales(xg, spec, dims, own_buffer=True)
+    return xg, group_scales(xg, spec, dims, own_buffer)
 
 
 def _round_scaled(xg: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, generator) -> torch.Tensor:
@@ -26,7 +28,9 @@ def _round_scaled(xg: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, genera
     return round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, generator)
 
 
-def fake_quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None, own_buffer: OwnBuffer = "columns"
+) -> torch.Tensor:
     """Quantize then dequantize: x's values as the low-bit format would carry them.
 
     Args:
@@ -34,6 +38,8 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = No
         spec: the recipe.
         generator: random source for stochastic rounding (generator, int64 key tensor or None; see
             ``round_to``).
+        own_buffer: which scales a compiled CPU cast computes into a buffer of their own (values
+            unchanged; see ``scaling.group_scales``).
 
     Returns:
         Tensor of x's shape and dtype: round(x / scale) * scale per group (computed in fp32).
@@ -41,7 +47,7 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = No
     Raises:
         ValueError: the shape does not fit the spec.
     """
-    xg, gs = _grouped(x, spec)
+    xg, gs = _grouped(x, spec, own_buffer)
     y = _round_scaled(xg, gs.scale, spec, generator)
     if spec.scaling != "none":
         y = y.mul_(gs.scale)
@@ -88,7 +94,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None) -
     Raises:
         ValueError: the shape does not fit the spec.
     """
-    xg, gs = _grouped(x, spec)
+    xg, gs = _grouped(x, spec, own_buffer)
     y = _round_scaled(xg, gs.scale, spec, generator)
     codes = pack(encode(y, spec.elem), spec.elem.bits)
     return QuantizedTensor(codes, gs.block_scale, gs.tensor_scale, spec, x.shape, x.dtype)

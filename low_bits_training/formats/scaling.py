@@ -12,7 +12,7 @@ Grouping is a reshape, never a copy: the tensor is viewed as ``grouped_shape`` a
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -158,19 +158,25 @@ def tensor_scale_max(spec: QuantSpec) -> float:
     return adaptive.TENSOR_SCALE_MAX if spec.four_over_six != "off" else get_format(spec.scale_format).max
 
 
+OwnBuffer = Literal["none", "columns", "all"]
+"""Which scales a compiled CPU cast computes into a buffer of their own (see ``group_scales``)."""
+
+
 def group_scales(
-    xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...], own_buffer: bool = False
+    xg: torch.Tensor, spec: QuantSpec, dims: tuple[int, ...], own_buffer: OwnBuffer = "none"
 ) -> GroupScales:
     """Scales of an already grouped tensor ``xg`` (see ``grouped_shape``).
 
-    ``own_buffer``: under torch.compile on CPU, where the scale varies along the contiguous last dim (blocks
-    or per-column scales along a leading dim, e.g. the weight-gradient GEMM's token-dim blocks), compute the
-    scales into a buffer of their own (``materialize``). Inlined, inductor derives the scale again for every
-    element there, with bit reinterpretations it runs element by element: 1.5-2x the cost of the whole cast.
-    The same arithmetic, so the same values. (Also materializing row-block and tensor scales was faster
-    still, but tripped an inductor assertion in a loop-split pass in the MoE model's compiled backward.) For
-    whole-tensor casts (``fake_quantize``, ``quantize``); the optimizer's fused chunk updates have per-row
-    scales.
+    ``own_buffer``: under torch.compile on CPU, compute the scales into a buffer of their own
+    (``materialize``) instead of letting inductor inline them into the cast. Inlined, inductor derives the
+    scale again for every element (or vector of elements), with bit reinterpretations it runs element by
+    element: 1.5-2x the cost of the whole cast. The same arithmetic, so the same values. ``"columns"``: only
+    where the scale varies along the contiguous last dim (blocks or per-column scales along a leading dim,
+    e.g. the weight-gradient GEMM's token-dim blocks), where the gain is largest. ``"all"``: row-block and
+    tensor scales too; faster still, but in the MoE grouped GEMMs' compiled backward it trips an assertion
+    in inductor's CPU loop-split pass (torch 2.14: two fused loops of equal size and different shapes), so
+    the grouped path keeps ``"columns"``. For whole-tensor casts (``fake_quantize``, ``quantize``); the
+    optimizer's fused chunk updates have per-row scales.
     """
     amax = group_amax(xg, dims)
     if spec.scaling == "none":
@@ -184,7 +190,7 @@ def group_scales(
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
         bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
-    if own_buffer and compiling_for_cpu(xg.device) and xg.dim() - 1 not in dims:
+    if own_buffer != "none" and compiling_for_cpu(xg.device) and (own_buffer == "all" or xg.dim() - 1 not in dims):
         bs = materialize(bs)
     return GroupScales(amax, bs if ts is None else bs * ts, bs, ts)
 

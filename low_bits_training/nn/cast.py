@@ -155,7 +155,7 @@ def cast(
     if needs_global_amax(spec, t.dim(), shards, role):
         q, scale = scaled_values(t, spec, shards, key)
         return q * scale
-    return fake_quantize(t, spec, key)
+    return fake_quantize(t, spec, key, own_buffer="all")  # the grouped (MoE) casts keep "columns"
 
 
 def check_fits(shape: torch.Size, spec: QuantSpec, role: str) -> None:
