@@ -4,9 +4,12 @@ Trains the debug model (1 CPU rank, seed 0, batch 4 x 256, the preset's defaults
 on) for bf16 and every recipe, eager and ``--compile.enable``, plus torchao's modules (their emulated modes on
 CPU) through the ``torchao`` backend, in one run, and prints each step time as a ratio to bf16 in the same mode.
 Step time: the median gap between consecutive metrics rows after the first ``--skip`` steps (compilation and
-warm-up left out; the median shrugs off steps slowed by other jobs).
+warm-up left out; the median shrugs off steps slowed by other jobs). Whole runs of the same code vary more
+than steps within a run (10-15% on a shared 2-core VM); ``--repeats N`` trains every case N times, in
+interleaved rounds, and reports the median of the N runs' step times with their range.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_train.py                 # everything (~30 min, 2 cores)
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_train.py --modes compiled --repeats 3
     .venv/bin/python benchmarks/bench_train.py --recipes bf16 mxfp8 --modes compiled --steps 10
 
 The last column compares the final losses of the compiled and eager runs of a recipe (same seed, same data).
@@ -67,8 +70,15 @@ def run_case(out: Path, case: str, mode: str, a) -> tuple[float, float]:
     return step_time(rows, a.skip), losses[-1]
 
 
+def summary(runs: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """(median s/step, fastest, slowest, final loss of the first run) over the repeats of one case."""
+    times = [t for t, _ in runs]
+    return statistics.median(times), min(times), max(times), runs[0][1]
+
+
 def table(results: dict, cases: list[str], modes: list[str]) -> str:
-    """Markdown table: s/step and ratio to bf16 per mode, the aim, compiled - eager final loss."""
+    """Markdown table: s/step (range over repeats) and ratio to bf16 per mode, the aim, compiled - eager
+    final loss."""
     head = (
         ["recipe"]
         + [f"{m} s/step | {m} vs bf16" for m in modes]
@@ -78,12 +88,13 @@ def table(results: dict, cases: list[str], modes: list[str]) -> str:
     for c in cases:
         cells = [c]
         for m in modes:
-            t, base = results[(c, m)][0], results[("bf16", m)][0]
-            cells += [f"{t:.3f}", f"{t / base:.2f}x"]
+            t, lo, hi, _ = results[(c, m)]
+            base = results[("bf16", m)][0]
+            cells += [f"{t:.3f}" + (f" ({lo:.3f}-{hi:.3f})" if hi > lo else ""), f"{t / base:.2f}x"]
         a = aim(c)
         cells.append(f"<= {a}x" if a else "-")
         both = all((c, m) in results for m in ("eager", "compiled"))
-        d = results[(c, "compiled")][1] - results[(c, "eager")][1] if both else float("nan")
+        d = results[(c, "compiled")][3] - results[(c, "eager")][3] if both else float("nan")
         cells.append(f"{d:+.4f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -95,6 +106,7 @@ def main() -> int:
     p.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--skip", type=int, default=4, help="steps left out (compilation, warm-up)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per case, in interleaved rounds")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temp folder)")
     a = p.parse_args()
     cases = ["bf16", *[r for r in a.recipes if r != "bf16"]]
@@ -105,15 +117,17 @@ def main() -> int:
         )
         return 2
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_train_"))
-    results = {}
-    for c in cases:
-        for m in a.modes:
-            results[(c, m)] = run_case(out, c, m, a)
-            print(
-                f"  {c} {m}: {results[(c, m)][0]:.3f} s/step, final loss {results[(c, m)][1]:.4f}", flush=True
-            )
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {(c, m): [] for c in cases for m in a.modes}
+    for r in range(a.repeats):
+        for c in cases:
+            for m in a.modes:
+                t, loss = run_case(out / f"round{r}", c, m, a)
+                runs[(c, m)].append((t, loss))
+                print(f"  round {r}: {c} {m}: {t:.3f} s/step, final loss {loss:.4f}", flush=True)
+    results = {k: summary(v) for k, v in runs.items()}
     print(
-        f"\ndebug model, 1 CPU rank, batch 4 x 256, {a.steps} steps (median after {a.skip}); runs in {out}\n"
+        f"\ndebug model, 1 CPU rank, batch 4 x 256, {a.steps} steps (median after {a.skip}), "
+        f"{a.repeats} run(s) per case (median; range in brackets); runs in {out}\n"
     )
     print(table(results, cases, a.modes))
     return 0

@@ -11,8 +11,8 @@ The transform is block-diagonal: every block of ``size`` values along the dim us
 vector, so a shard of the dim (tensor parallelism) transforms alone, and every rank derives the vector from
 (seed, size) with ``derive_key`` (``sign_vector``), never from a generator.
 
-Fast path: the in-place-free butterfly (log2(n) stages of ``(a + b, a - b)``), elementwise fp32 adds only, so
-eager and torch.compile give the same bits. ``rht_reference`` builds the dense matrix and multiplies in
+Fast path: the in-place-free butterfly (log2(n) stages of ``(a + b, a - b)``) along the dim, blocks kept in
+place, elementwise fp32 adds only, so eager and torch.compile give the same bits. ``rht_reference`` builds the dense matrix and multiplies in
 float64: the slow definition the butterfly is held to (tests/formats/test_hadamard.py).
 """
 
@@ -61,15 +61,32 @@ def hadamard_matrix(size: int) -> torch.Tensor:
     return (1 - 2 * parity).to(torch.float64).reshape(size, size)
 
 
-def _butterfly(v: torch.Tensor, size: int) -> torch.Tensor:
-    """``H v`` for every row of v (B, size): log2(size) stages, each pairing the elements one bit apart."""
+COLUMNS_UP_TO = 64
+"""Block sizes up to this run the butterfly on the block's ``size`` columns as separate tensors (a graph of
+``size * log2(size)`` elementwise ops: inductor fuses it into one vectorized pass, 1.5-5x faster compiled
+and faster eager than the staged form); larger sizes run log2(size) whole-tensor stages."""
+
+
+def _butterfly(v: torch.Tensor, size: int, axis: int) -> torch.Tensor:
+    """``H`` applied along dim ``axis + 1`` (of length ``size``) of v: log2(size) stages, each pairing the
+    elements one bit apart as ``(a + b, a - b)``. Both forms below do the same fp32 adds in the same order
+    per element, so they give the same bits."""
+    if size <= COLUMNS_UP_TO:
+        cols = list(v.unbind(axis + 1))
+        h = 1
+        while h < size:
+            for i in range(size):
+                if not i & h:
+                    cols[i], cols[i + h] = cols[i] + cols[i + h], cols[i] - cols[i + h]
+            h *= 2
+        return torch.stack(cols, dim=axis + 1)
     h = 1
     while h < size:
-        v = v.reshape(-1, size // (2 * h), 2, h)
-        a, b = v[:, :, 0], v[:, :, 1]
-        v = torch.stack((a + b, a - b), dim=2)
+        v = v.unflatten(axis + 1, (size // (2 * h), 2, h))
+        a, b = v.select(axis + 2, 0), v.select(axis + 2, 1)
+        v = torch.stack((a + b, a - b), dim=axis + 2).flatten(axis + 1, axis + 3)
         h *= 2
-    return v.reshape(-1, size)
+    return v
 
 
 def rht(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor:
@@ -92,10 +109,13 @@ def rht(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor
         raise ValueError(
             f"RHT size {size} does not divide dim {axis} of size {x.shape[axis]} ({tuple(x.shape)})"
         )
-    t = x.to(torch.float32).movedim(axis, -1)
-    s = torch.tensor(signs, dtype=torch.float32, device=x.device)
-    v = _butterfly(t.reshape(-1, size) * s, size) * (1.0 / math.sqrt(size))  # exact for sizes 4**k
-    return v.reshape(t.shape).movedim(-1, axis)
+    axis = axis % x.dim()
+    # Blocks stay in place (no transpose): dim axis becomes (blocks, size), the butterfly runs along size.
+    s = torch.tensor(signs, dtype=torch.float32, device=x.device).reshape(
+        (size,) + (1,) * (x.dim() - axis - 1)
+    )
+    v = _butterfly(x.to(torch.float32).unflatten(axis, (-1, size)) * s, size, axis)
+    return (v * (1.0 / math.sqrt(size))).flatten(axis, axis + 1)  # exact for sizes 4**k
 
 
 def rht_reference(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor:

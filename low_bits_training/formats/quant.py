@@ -21,10 +21,14 @@ def _grouped(
     return xg, group_scales(xg, spec, dims, own_buffer)
 
 
-def _round_scaled(xg: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, generator) -> torch.Tensor:
-    # Elements are divided by their group's dequant scale (scale > 0, so x / scale keeps x's sign), then
-    # rounded onto the element grid in place: one fresh buffer, which matters for eager speed.
-    a = xg.abs() if spec.scaling == "none" else (xg / scale).abs_()
+def _round_scaled(xg: torch.Tensor, gs: GroupScales, spec: QuantSpec, generator) -> torch.Tensor:
+    # Elements are divided by their group's dequant scale (scale > 0, so x / scale keeps x's sign; times
+    # the exact inverse where there is one: the same bits), then rounded onto the element grid in place:
+    # one fresh buffer, which matters for eager speed.
+    if spec.scaling == "none":
+        a = xg.abs()
+    else:
+        a = (xg / gs.scale if gs.inverse is None else xg * gs.inverse).abs_()
     return round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, generator)
 
 
@@ -48,7 +52,7 @@ def fake_quantize(
         ValueError: the shape does not fit the spec.
     """
     xg, gs = _grouped(x, spec, own_buffer)
-    y = _round_scaled(xg, gs.scale, spec, generator)
+    y = _round_scaled(xg, gs, spec, generator)
     if spec.scaling != "none":
         y = y.mul_(gs.scale)
     return y.reshape(x.shape).to(x.dtype)
@@ -94,8 +98,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None) -
     Raises:
         ValueError: the shape does not fit the spec.
     """
-    xg, gs = _grouped(x, spec, own_buffer)
-    y = _round_scaled(xg, gs.scale, spec, generator)
+    xg, gs = _grouped(x, spec)
+    y = _round_scaled(xg, gs, spec, generator)
     codes = pack(encode(y, spec.elem), spec.elem.bits)
     return QuantizedTensor(codes, gs.block_scale, gs.tensor_scale, spec, x.shape, x.dtype)
 

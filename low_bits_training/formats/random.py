@@ -6,9 +6,12 @@ cannot put in a graph. A counter-based generator gives all three: the random wor
 hash of ``(key, i)``; nothing is carried from one call to the next.
 
 The hash is Chris Wellons' ``lowbias32`` integer mixer (two xor-shift-multiply rounds, full avalanche),
-applied twice with two 32-bit halves of the key folded in. It is computed in int64 arithmetic on values
-below 2**32, with each 32-bit multiply split into 16-bit halves so no intermediate overflows (signed
-overflow would be undefined in inductor's C++), so eager and inductor give the same bits.
+applied twice with two 32-bit halves of the key folded in. ``random_bits`` computes it in int64 arithmetic
+on values below 2**32, with each 32-bit multiply split into 16-bit halves so no intermediate overflows: the
+reference form. ``uniform`` and ``uniform_int`` (what stochastic rounding draws) compute the same words in
+int32 two's complement (``_words32``: wrapping multiplies and adds, masked shifts; inductor's C++ does
+integer multiplies and adds in unsigned arithmetic, so wrapping is defined there too): 16 lanes per vector
+instead of 8 and one multiply instead of three, and the same bits (tested, eager and compiled).
 
 Keys: ``derive_key(*parts)`` turns any identifying values (seed, step, layer name, role, rank, ...) into a
 63-bit int by a cryptographic hash; ``fold_key(key, *ints)`` mixes small ints into a key *tensor* inside a
@@ -56,6 +59,33 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+_M2_I32 = _M2 - (1 << 32)  # the same 32 bits as an int32 constant
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) to the int32 with the same 32 bits (no overflowing conversion)."""
+    return (((x + (1 << 31)) & MASK32) - (1 << 31)).to(torch.int32)
+
+
+def _mix32_i32(x: torch.Tensor) -> torch.Tensor:
+    """``mix32`` on int32 words (the same 32 bits in, the same 32 bits out)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _M1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _M2_I32
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _words32(shape: tuple[int, ...] | torch.Size, key: torch.Tensor, device) -> torch.Tensor:
+    """``random_bits(shape, key)`` as int32 words (same bits), for fewer than 2**31 elements."""
+    device = key.device if device is None else device
+    key = key.reshape(()).to(device=device, dtype=torch.int64)
+    k1 = mix32(key & MASK32)
+    k2 = mix32(((key >> 32) ^ k1) & MASK32)
+    i = torch.arange(torch.Size(shape).numel(), dtype=torch.int32, device=device)
+    return _mix32_i32(_mix32_i32(i ^ _to_int32(k1)) + _to_int32(k2)).reshape(shape)
+
+
 def fold_key(key: torch.Tensor | int, *ints: int) -> torch.Tensor | int:
     """Mix small non-negative ints into a key (an int64 tensor stays a tensor, an int stays an int).
 
@@ -101,6 +131,8 @@ def uniform(shape: tuple[int, ...] | torch.Size, source: RandomSource, device=No
     Returns:
         fp32 tensor of ``shape``.
     """
+    if isinstance(source, torch.Tensor) and torch.Size(shape).numel() < 2**31:
+        return ((_words32(shape, source, device) >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
     if isinstance(source, torch.Tensor):
         return (random_bits(shape, source, device) >> 8).to(torch.float32) * 2.0**-24
     return torch.rand(shape, generator=source, device=device, dtype=torch.float32)
@@ -120,6 +152,8 @@ def uniform_int(
     Returns:
         int32 tensor of ``shape``.
     """
+    if isinstance(source, torch.Tensor) and torch.Size(shape).numel() < 2**31:
+        return (_words32(shape, source, device) >> (32 - bits)) & ((1 << bits) - 1)
     if isinstance(source, torch.Tensor):
         return (random_bits(shape, source, device) >> (32 - bits)).to(torch.int32)
     return torch.randint(0, 1 << bits, shape, generator=source, dtype=torch.int32, device=device)

@@ -143,6 +143,27 @@ def _sr_bits(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
     return torch.where(sub, y - fmt.min_normal, torch.where(torch.isnan(a), a, y))
 
 
+def _sr_thresholds(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
+    """``_sr_bits`` without bit reinterpretations, for ``threshold_format``s: the same values (the same random
+    integers R, the same rule: up iff the discarded low bits of the fp32 pattern plus R carry), with the
+    spacing of a's binade chosen by comparisons. Above the top binade the two may differ, but both are
+    past max there, which such formats always clamp to. Used under torch.compile on CPU, where this
+    vectorizes and the bit tricks run element by element."""
+    d = 23 - fmt.mbits
+    r = uniform_int(a.shape, d, generator, a.device).to(torch.float32)  # exact: R < 2**d <= 2**22
+    sub = a < fmt.min_normal
+    t = torch.where(sub, a + fmt.min_normal, a)  # the same fp32 offset as _sr_bits
+    s = torch.full((), 2.0 ** (fmt.emin - fmt.mbits), device=a.device)
+    for e in range(
+        fmt.emin + 1, fmt.emax + 1
+    ):  # spacing of t's binade (kept at emax's above it: those clamp)
+        s = torch.where(t >= 2.0**e, 2.0 ** (e - fmt.mbits), s)
+    lo = torch.floor(t / s) * s  # t rounded down to the grid: exact (power-of-two scalings)
+    low = (t - lo) / s * 2.0**d  # the discarded low bits of t's fp32 pattern, as an integer
+    y = lo + torch.where(low + r >= 2.0**d, s, 0.0)
+    return torch.where(sub, y - fmt.min_normal, torch.where(torch.isnan(a), a, y))
+
+
 FP8_CAST_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """torch's fp8 dtypes whose casts round exactly as this module does (tested)."""
 
@@ -227,6 +248,8 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
         y = _rne_magic(a, fmt)
     elif rounding == "nearest" and FAST_PATHS and _bits_ok(fmt):
         y = _rne_bits(a, fmt)
+    elif rounding == "stochastic" and FAST_PATHS and threshold_format(fmt) and compiling_for_cpu(a.device):
+        y = _sr_thresholds(a, fmt, generator)
     elif rounding == "stochastic" and FAST_PATHS and 1 <= fmt.mbits <= 22 and fmt.subnormals:
         y = _sr_bits(a, fmt, generator)
     else:

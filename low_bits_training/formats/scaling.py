@@ -150,6 +150,10 @@ class GroupScales(NamedTuple):
     """The stored scale per group (on scale_format's grid); equals ``scale`` without a tensor scale."""
     tensor_scale: torch.Tensor | None
     """The fp32 per-tensor scale of two-level scaling, else None."""
+    inverse: torch.Tensor | None = None
+    """``1 / scale`` where that is exact (power-of-two scales: MX, pow2 rowwise), else None. ``x * inverse``
+    is then ``x / scale`` bit for bit (both the correctly rounded x * 2**-k), and a multiply is several times
+    cheaper than a divide in the cast's inner loop."""
 
 
 def tensor_scale_max(spec: QuantSpec) -> float:
@@ -190,9 +194,17 @@ def group_scales(
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
         bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
-    if own_buffer != "none" and compiling_for_cpu(xg.device) and (own_buffer == "all" or xg.dim() - 1 not in dims):
+    own = (
+        own_buffer != "none"
+        and compiling_for_cpu(xg.device)
+        and (own_buffer == "all" or xg.dim() - 1 not in dims)
+    )
+    inv = None
+    if ts is None and spec.scale_rounding != "exact":
+        inv = materialize(1.0 / bs) if own else 1.0 / bs
+    if own:
         bs = materialize(bs)
-    return GroupScales(amax, bs if ts is None else bs * ts, bs, ts)
+    return GroupScales(amax, bs if ts is None else bs * ts, bs, ts, inv)
 
 
 @torch.library.custom_op("lbt::materialize", mutates_args=())

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from low_bits_training.formats import hadamard
 from low_bits_training.formats.hadamard import hadamard_matrix, rht, rht_reference, sign_vector
 
 TORCHAO_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -38,9 +39,9 @@ def test_hadamard_matrix_is_sylvester():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("axis", [0, -1])
-@pytest.mark.parametrize("size", [2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("size", [2, 4, 8, 16, 32, 64, 128])  # 128: the staged form (> COLUMNS_UP_TO)
 def test_butterfly_equals_the_dense_definition(size, axis, dtype):
-    x = _x((128, 64), size, dtype)
+    x = _x((128, max(64, size)), size, dtype)
     got, ref = rht(x, sign_vector(size, 7), axis), rht_reference(x, sign_vector(size, 7), axis)
     assert got.dtype == torch.float32 and got.shape == x.shape
     # log2(n) fp32 add stages, magnitudes growing at most 2x per stage: |error| <= 2**-23 sqrt(n) max|x|.
@@ -67,6 +68,15 @@ def test_equals_torchaos_nvfp4_transform():
     ref = (x.double().reshape(-1, 16) @ m).reshape(x.shape)
     assert torch.allclose(rht_reference(x, TORCHAO_SIGNS), ref, rtol=0, atol=1e-12)
     assert (rht(x, TORCHAO_SIGNS).double() - ref).abs().max().item() < 2.0**-20 * x.abs().max().item()
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_column_and_staged_butterflies_give_the_same_bits(monkeypatch, axis):
+    x = _x((64, 32, 48), 3)
+    s = sign_vector(16, 5)
+    columns = rht(x, s, axis)
+    monkeypatch.setattr(hadamard, "COLUMNS_UP_TO", 0)
+    assert torch.equal(columns.view(torch.int32), rht(x, s, axis).view(torch.int32))
 
 
 def test_compiled_equals_eager_bit_for_bit():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from low_bits_training.formats import QuantSpec, derive_key, fake_quantize, fold_key, random_bits, uniform
-from low_bits_training.formats.random import mix32
+from low_bits_training.formats.random import _words32, mix32, uniform_int
 
 
 def test_mix32_is_a_bijection_on_16_bit_inputs_and_matches_lowbias32_reference():
@@ -59,3 +59,17 @@ def test_counter_based_stochastic_rounding_is_unbiased():
     mean = sum(float(fake_quantize(x, spec, torch.tensor(i)).mean()) for i in range(n)) / n
     sigma = (0.5 * 0.5 * 0.6 * 0.4 / (n * x.numel())) ** 0.5
     assert abs(mean - 0.3) < 3 * sigma
+
+
+@pytest.mark.parametrize("key", [0, 987654321, 2**62 - 1, derive_key("seed", 7, "layers.1.w2")])
+def test_int32_words_equal_the_int64_reference_eager_and_compiled(key):
+    # uniform / uniform_int draw from _words32 (int32 two's complement: wrapping multiplies); it must give
+    # random_bits' words exactly, eagerly and under inductor (whose C++ multiplies in unsigned arithmetic).
+    k = torch.tensor(key, dtype=torch.int64)
+    ref = random_bits((33, 1000), k)
+    compiled = torch.compile(lambda k: _words32((33, 1000), k, None), fullgraph=True)
+    for words in (_words32((33, 1000), k, None), compiled(k)):
+        assert words.dtype == torch.int32
+        assert torch.equal(words.to(torch.int64) & 0xFFFFFFFF, ref)
+    assert torch.equal(uniform((33, 1000), k), (ref >> 8).to(torch.float32) * 2.0**-24)
+    assert torch.equal(uniform_int((33, 1000), 22, k), (ref >> 10).to(torch.int32))

@@ -206,9 +206,10 @@ def test_round_magnitude_ignores_sign_handling():
 def test_torch_compile_matches_eager_bit_for_bit():
     """The compiled kernels (inductor C++) keep the numerics: -0, NaN, inf, ties, subnormals, overflow. One
     graph holds several paths (one compile): magic-add RNE, the fp8 dtypes' casts (compiled on CPU), fp4 by
-    thresholds (compiled on CPU), e8mY bit RNE (inductor folds bf16 cast pairs, which is why bf16 does not
-    use a cast), MX, NVFP4 (scales in their own buffer: ``group_scales(own_buffer=True)``), blocks along a
-    leading dim, and the generic path."""
+    thresholds (compiled on CPU), fp4 stochastic rounding by binade comparisons (compiled on CPU) from int32
+    random words, e8mY bit RNE (inductor folds bf16 cast pairs, which is why bf16 does not
+    use a cast), MX, NVFP4 (scales in their own buffer: ``group_scales(own_buffer=...)``, column scales
+    only and all scales), blocks along a leading dim, and the generic path."""
     from dataclasses import replace
 
     from low_bits_training.formats import QuantSpec, fake_quantize
@@ -220,8 +221,16 @@ def test_torch_compile_matches_eager_bit_for_bit():
     x[torch.isinf(x)] = 1.0  # inf in a block would make the whole block's scale huge; tested elsewhere
     mx_cols = replace(QuantSpec.mxfp8(), axis=0)
 
-    def fn(t, e):
+    key = torch.tensor(20261124, dtype=torch.int64)
+
+    def fn(t, e, k):
         return (
+            round_to(e, "e2m1", "stochastic", generator=k),
+            round_to(e * 0.37, "e2m1", "stochastic", generator=k),  # subnormal and in-binade positions
+            fake_quantize(t, QuantSpec.nvfp4(rounding="stochastic"), k),
+            fake_quantize(t, QuantSpec.mxfp8(), own_buffer="all"),
+            fake_quantize(t, QuantSpec.fp8_tensorwise(), own_buffer="all"),
+            fake_quantize(t, QuantSpec.nvfp4(), own_buffer="all"),
             round_to(e, "e4m3", saturate=False),
             round_to(e, "e4m3"),
             round_to(e, "e5m2", saturate=False),
@@ -235,5 +244,5 @@ def test_torch_compile_matches_eager_bit_for_bit():
             fake_quantize(t, QuantSpec.fp8_rowwise()),
         )
 
-    for got, want in zip(torch.compile(fn, dynamic=False)(x, elems), fn(x, elems), strict=True):
+    for got, want in zip(torch.compile(fn, dynamic=False)(x, elems, key), fn(x, elems, key), strict=True):
         assert_same_bits(got, want, "compiled vs eager")
