@@ -12,8 +12,9 @@ vector, so a shard of the dim (tensor parallelism) transforms alone, and every r
 (seed, size) with ``derive_key`` (``sign_vector``), never from a generator.
 
 Fast path: the in-place-free butterfly (log2(n) stages of ``(a + b, a - b)``) along the dim, blocks kept in
-place, elementwise fp32 adds only, so eager and torch.compile give the same bits. ``rht_reference`` builds the dense matrix and multiplies in
-float64: the slow definition the butterfly is held to (tests/formats/test_hadamard.py).
+place, elementwise fp32 adds only, so eager and torch.compile give the same bits. ``rht_reference`` builds
+the dense matrix and multiplies in float64: the slow definition the butterfly is held to
+(tests/formats/test_hadamard.py).
 """
 
 from __future__ import annotations

@@ -153,10 +153,9 @@ def _sr_thresholds(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor
     r = uniform_int(a.shape, d, generator, a.device).to(torch.float32)  # exact: R < 2**d <= 2**22
     sub = a < fmt.min_normal
     t = torch.where(sub, a + fmt.min_normal, a)  # the same fp32 offset as _sr_bits
+    # The spacing of t's binade (above the top binade it stays at emax's: those values clamp).
     s = torch.full((), 2.0 ** (fmt.emin - fmt.mbits), device=a.device)
-    for e in range(
-        fmt.emin + 1, fmt.emax + 1
-    ):  # spacing of t's binade (kept at emax's above it: those clamp)
+    for e in range(fmt.emin + 1, fmt.emax + 1):
         s = torch.where(t >= 2.0**e, 2.0 ** (e - fmt.mbits), s)
     lo = torch.floor(t / s) * s  # t rounded down to the grid: exact (power-of-two scalings)
     low = (t - lo) / s * 2.0**d  # the discarded low bits of t's fp32 pattern, as an integer

@@ -151,7 +151,7 @@ class GroupScales(NamedTuple):
     tensor_scale: torch.Tensor | None
     """The fp32 per-tensor scale of two-level scaling, else None."""
     inverse: torch.Tensor | None = None
-    """``1 / scale`` where that is exact (power-of-two scales: MX, pow2 rowwise), else None. ``x * inverse``
+    """``1 / scale`` where that is exact (power-of-two scales down to 2**-127: MX), else None. ``x * inverse``
     is then ``x / scale`` bit for bit (both the correctly rounded x * 2**-k), and a multiply is several times
     cheaper than a divide in the cast's inner loop."""
 
@@ -160,6 +160,15 @@ def tensor_scale_max(spec: QuantSpec) -> float:
     """The scale-format value a two-level tensor scale maps the tensor amax to (over the element max):
     the scale format's max, or 256 under 4over6 (room for its 1.5x larger block scales)."""
     return adaptive.TENSOR_SCALE_MAX if spec.four_over_six != "off" else get_format(spec.scale_format).max
+
+
+def _inverse_exact(spec: QuantSpec) -> bool:
+    """True when every scale of ``spec`` is a power of two whose inverse fp32 holds exactly (scales from
+    the smallest, >= 2**-127, to 2**127; fp32-format power-of-two scales may go down to 2**-149, whose
+    inverse overflows)."""
+    sfmt = get_format(spec.scale_format)
+    smallest = sfmt.min_normal if spec.scale_min == "normal" else sfmt.min_subnormal
+    return spec.scale_rounding != "exact" and smallest >= 2.0**-127
 
 
 OwnBuffer = Literal["none", "columns", "all"]
@@ -200,7 +209,7 @@ def group_scales(
         and (own_buffer == "all" or xg.dim() - 1 not in dims)
     )
     inv = None
-    if ts is None and spec.scale_rounding != "exact":
+    if ts is None and _inverse_exact(spec):
         inv = materialize(1.0 / bs) if own else 1.0 / bs
     if own:
         bs = materialize(bs)

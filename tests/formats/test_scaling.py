@@ -143,6 +143,20 @@ def test_scale_rounding_choices_on_one_block():
     assert exact == torch.tensor(3.0 / 448, dtype=torch.float32).item()
 
 
+@pytest.mark.parametrize("scale_format", ["e8m0", "fp32"])
+def test_power_of_two_scales_divide_exactly_even_at_the_smallest_scale(scale_format):
+    # Power-of-two scales are applied as a multiply by their inverse where that is exact; an fp32-format
+    # scale of 2**-149 (tiny amax) has no finite inverse, so such specs must keep the divide.
+    spec = QuantSpec("e4m3", "block", scale_format=scale_format, scale_rounding="floor")
+    x = torch.randn(4, 64) * torch.tensor([1.0, 2.0**-140, 2.0**-149, 1e30]).reshape(4, 1)
+    x[2, :] = 2.0**-149 * torch.randint(-1, 2, (64,))
+    x[2, 0] = 2.0**-149
+    s = compute_scales(x, spec)
+    xg = x.reshape(grouped_shape(x.shape, spec)[0])
+    want = (round_to(xg / s, "e4m3") * s).reshape(x.shape)
+    assert_same_bits(fake_quantize(x, spec), want, scale_format)
+
+
 def test_divisibility_error_names_block_size_dim_and_size():
     with pytest.raises(ValueError, match=r"block_size=32 does not divide dim 1 of size 100"):
         check_divisible((8, 100), QuantSpec.mxfp8())
