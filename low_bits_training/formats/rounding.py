@@ -143,8 +143,38 @@ def _sr_bits(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
     return torch.where(sub, y - fmt.min_normal, torch.where(torch.isnan(a), a, y))
 
 
-def _sr_thresholds(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
-    """``_sr_bits`` without bit reinterpretations, for ``threshold_format``s: the same values (the same random
+def binade_format(fmt: Format) -> bool:
+    """True for the float formats that torch.compile on CPU rounds with the binade's spacing picked by
+    comparisons (``_rne_binades``, ``_sr_binades``): 1-22 mantissa bits, subnormals, neither inf nor NaN
+    (overflow always clamps), at most 8 binades (fp6: e2m3, e3m2; fp4: e2m1)."""
+    return (
+        isinstance(fmt, FloatFormat)
+        and 1 <= fmt.mbits <= 22
+        and fmt.subnormals
+        and fmt.saturates_always
+        and fmt.emax - fmt.emin <= 8
+    )
+
+
+def _spacing_by_binade(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """The grid spacing at magnitudes ``a`` (the subnormal spacing below 2**(emin + 1); emax's above the top
+    binade, where values clamp anyway), chosen by comparisons instead of the exponent bits."""
+    s = torch.full((), 2.0 ** (fmt.emin - fmt.mbits), device=a.device)
+    for e in range(fmt.emin + 1, fmt.emax + 1):
+        s = torch.where(a >= 2.0**e, 2.0 ** (e - fmt.mbits), s)
+    return s
+
+
+def _rne_binades(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round-half-even of magnitudes ``a`` for a ``binade_format``: ``round(a / s) * s`` with the spacing s
+    of a's binade (both scalings exact: s is a power of two), the values of ``_rne_magic`` (past max they
+    differ, but both clamp to max). Vectorizes under inductor, where the exponent-bit tricks do not."""
+    s = _spacing_by_binade(a, fmt)
+    return torch.round(a / s) * s
+
+
+def _sr_binades(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor:
+    """``_sr_bits`` without bit reinterpretations, for ``binade_format``s: the same values (the same random
     integers R, the same rule: up iff the discarded low bits of the fp32 pattern plus R carry), with the
     spacing of a's binade chosen by comparisons. Above the top binade the two may differ, but both are
     past max there, which such formats always clamp to. Used under torch.compile on CPU, where this
@@ -153,10 +183,7 @@ def _sr_thresholds(a: torch.Tensor, fmt: FloatFormat, generator) -> torch.Tensor
     r = uniform_int(a.shape, d, generator, a.device).to(torch.float32)  # exact: R < 2**d <= 2**22
     sub = a < fmt.min_normal
     t = torch.where(sub, a + fmt.min_normal, a)  # the same fp32 offset as _sr_bits
-    # The spacing of t's binade (above the top binade it stays at emax's: those values clamp).
-    s = torch.full((), 2.0 ** (fmt.emin - fmt.mbits), device=a.device)
-    for e in range(fmt.emin + 1, fmt.emax + 1):
-        s = torch.where(t >= 2.0**e, 2.0 ** (e - fmt.mbits), s)
+    s = _spacing_by_binade(t, fmt)
     lo = torch.floor(t / s) * s  # t rounded down to the grid: exact (power-of-two scalings)
     low = (t - lo) / s * 2.0**d  # the discarded low bits of t's fp32 pattern, as an integer
     y = lo + torch.where(low + r >= 2.0**d, s, 0.0)
@@ -178,8 +205,8 @@ def _native_fp8_ok(fmt: FloatFormat, saturate: bool, device: torch.device) -> bo
 
 
 def threshold_format(fmt: Format) -> bool:
-    """True for formats rounded by counting thresholds (``nearest_thresholds``): signed float formats of
-    <= 4 bits with subnormals and neither inf nor NaN (fp4: e2m1)."""
+    """True for formats whose codes the optimizer's codec finds by counting thresholds
+    (``nearest_thresholds``; ``optim.codec``): signed float formats of <= 4 bits with subnormals and neither inf nor NaN (fp4: e2m1)."""
     return (
         isinstance(fmt, FloatFormat)
         and fmt.bits <= 4
@@ -201,16 +228,6 @@ def nearest_thresholds(fmt: FloatFormat) -> list[tuple[int, float, float]]:
 
     codes = [c for c in range(1, 2 ** (fmt.bits - 1)) if value(c) <= fmt.max]
     return [(c, (value(c - 1) + value(c)) / 2, value(c) - value(c - 1)) for c in codes]
-
-
-def _rne_thresholds(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Round-half-even of magnitudes ``a`` onto a ``threshold_format``'s grid by comparisons and exact adds
-    (values above max land on max; NaN stays NaN). Used under torch.compile on CPU, where it vectorizes and
-    the bit tricks do not."""
-    y = torch.zeros_like(a)
-    for code, mid, step in nearest_thresholds(fmt):
-        y = y + torch.where(a >= mid if code % 2 == 0 else a > mid, step, 0.0)
-    return torch.where(a != a, a, y)
 
 
 def compiling_for_cpu(device: torch.device) -> bool:
@@ -241,14 +258,14 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
         y = _round_int(a, rounding, generator)
     elif rounding == "nearest" and FAST_PATHS and _native_fp8_ok(fmt, saturate, a.device):
         y = a.to(fmt.torch_dtype).to(torch.float32)
-    elif rounding == "nearest" and FAST_PATHS and threshold_format(fmt) and compiling_for_cpu(a.device):
-        y = _rne_thresholds(a, fmt)
+    elif rounding == "nearest" and FAST_PATHS and binade_format(fmt) and compiling_for_cpu(a.device):
+        y = _rne_binades(a, fmt)
     elif rounding == "nearest" and FAST_PATHS and _magic_ok(fmt):
         y = _rne_magic(a, fmt)
     elif rounding == "nearest" and FAST_PATHS and _bits_ok(fmt):
         y = _rne_bits(a, fmt)
-    elif rounding == "stochastic" and FAST_PATHS and threshold_format(fmt) and compiling_for_cpu(a.device):
-        y = _sr_thresholds(a, fmt, generator)
+    elif rounding == "stochastic" and FAST_PATHS and binade_format(fmt) and compiling_for_cpu(a.device):
+        y = _sr_binades(a, fmt, generator)
     elif rounding == "stochastic" and FAST_PATHS and 1 <= fmt.mbits <= 22 and fmt.subnormals:
         y = _sr_bits(a, fmt, generator)
     else:

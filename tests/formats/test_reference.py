@@ -205,9 +205,9 @@ def test_round_magnitude_ignores_sign_handling():
 
 def test_torch_compile_matches_eager_bit_for_bit():
     """The compiled kernels (inductor C++) keep the numerics: -0, NaN, inf, ties, subnormals, overflow. One
-    graph holds several paths (one compile): magic-add RNE, the fp8 dtypes' casts (compiled on CPU), fp4 by
-    thresholds (compiled on CPU), fp4 stochastic rounding by binade comparisons (compiled on CPU) from int32
-    random words, e8mY bit RNE (inductor folds bf16 cast pairs, which is why bf16 does not
+    graph holds several paths (one compile): magic-add RNE, the fp8 dtypes' casts (compiled on CPU), fp4 and
+    fp6 with the binade's spacing picked by comparisons (compiled on CPU, nearest and stochastic, the latter
+    from int32 random words), e8mY bit RNE (inductor folds bf16 cast pairs, which is why bf16 does not
     use a cast), MX, NVFP4 (scales in their own buffer: ``group_scales(own_buffer=...)``, column scales
     only and all scales), blocks along a leading dim, and the generic path."""
     from dataclasses import replace
@@ -216,6 +216,7 @@ def test_torch_compile_matches_eager_bit_for_bit():
 
     elems = torch.cat(
         [probe_values("e4m3", n_random=4000, seed=11), probe_values("e2m1", n_random=4000, seed=12)]
+        + [probe_values(f, n_random=1000, seed=13) for f in ("e2m3", "e3m2")]
     )
     x = elems[: elems.numel() // 2048 * 2048].reshape(-1, 64)  # rows: a multiple of 32 (blocks along dim 0)
     x[torch.isinf(x)] = 1.0  # inf in a block would make the whole block's scale huge; tested elsewhere
@@ -227,6 +228,9 @@ def test_torch_compile_matches_eager_bit_for_bit():
         return (
             round_to(e, "e2m1", "stochastic", generator=k),
             round_to(e * 0.37, "e2m1", "stochastic", generator=k),  # subnormal and in-binade positions
+            round_to(e, "e2m3"),
+            round_to(e, "e3m2", "stochastic", generator=k),
+            fake_quantize(t, QuantSpec.mxfp6(), own_buffer="all"),
             fake_quantize(t, QuantSpec.nvfp4(rounding="stochastic"), k),
             fake_quantize(t, QuantSpec.mxfp8(), own_buffer="all"),
             fake_quantize(t, QuantSpec.fp8_tensorwise(), own_buffer="all"),
