@@ -76,13 +76,25 @@ def _mix32_i32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def _words32(shape: tuple[int, ...] | torch.Size, key: torch.Tensor, device) -> torch.Tensor:
-    """``random_bits(shape, key)`` as int32 words (same bits), for fewer than 2**31 elements."""
-    device = key.device if device is None else device
-    key = key.reshape(()).to(device=device, dtype=torch.int64)
+def _key_words(key: torch.Tensor | int, device) -> tuple[torch.Tensor, torch.Tensor, torch.device | None]:
+    """The two mixed 32-bit key words (int64 0-d tensors) and the output device (default: the key
+    tensor's, else CPU)."""
+    if isinstance(key, torch.Tensor):
+        device = key.device if device is None else device
+        key = key.reshape(()).to(device=device, dtype=torch.int64)
+    key = torch.as_tensor(key, dtype=torch.int64, device=device)
     k1 = mix32(key & MASK32)
-    k2 = mix32(((key >> 32) ^ k1) & MASK32)
-    i = torch.arange(torch.Size(shape).numel(), dtype=torch.int32, device=device)
+    return k1, mix32(((key >> 32) ^ k1) & MASK32), device
+
+
+def _words32(shape: tuple[int, ...] | torch.Size, key: torch.Tensor, device) -> torch.Tensor:
+    """``random_bits(shape, key)`` as int32 words (the same bits). Computed in int32 below 2**31 elements
+    (int32 indices); larger draws convert ``random_bits``' words."""
+    n = torch.Size(shape).numel()
+    if n >= 2**31:
+        return _to_int32(random_bits(shape, key, device))
+    k1, k2, device = _key_words(key, device)
+    i = torch.arange(n, dtype=torch.int32, device=device)
     return _mix32_i32(_mix32_i32(i ^ _to_int32(k1)) + _to_int32(k2)).reshape(shape)
 
 
@@ -110,13 +122,8 @@ def random_bits(shape: tuple[int, ...] | torch.Size, key: torch.Tensor | int, de
     Returns:
         int64 tensor of ``shape``.
     """
-    if isinstance(key, torch.Tensor):
-        device = key.device if device is None else device
-        key = key.reshape(()).to(device=device, dtype=torch.int64)
-    n = torch.Size(shape).numel()
-    k1 = mix32(torch.as_tensor(key, dtype=torch.int64, device=device) & MASK32)
-    k2 = mix32(((torch.as_tensor(key, dtype=torch.int64, device=device) >> 32) ^ k1) & MASK32)
-    i = torch.arange(n, dtype=torch.int64, device=device) & MASK32
+    k1, k2, device = _key_words(key, device)
+    i = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=device) & MASK32
     return mix32((mix32(i ^ k1) + k2) & MASK32).reshape(shape)
 
 
@@ -131,10 +138,8 @@ def uniform(shape: tuple[int, ...] | torch.Size, source: RandomSource, device=No
     Returns:
         fp32 tensor of ``shape``.
     """
-    if isinstance(source, torch.Tensor) and torch.Size(shape).numel() < 2**31:
-        return ((_words32(shape, source, device) >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
     if isinstance(source, torch.Tensor):
-        return (random_bits(shape, source, device) >> 8).to(torch.float32) * 2.0**-24
+        return ((_words32(shape, source, device) >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
     return torch.rand(shape, generator=source, device=device, dtype=torch.float32)
 
 
@@ -152,8 +157,6 @@ def uniform_int(
     Returns:
         int32 tensor of ``shape``.
     """
-    if isinstance(source, torch.Tensor) and torch.Size(shape).numel() < 2**31:
-        return (_words32(shape, source, device) >> (32 - bits)) & ((1 << bits) - 1)
     if isinstance(source, torch.Tensor):
-        return (random_bits(shape, source, device) >> (32 - bits)).to(torch.int32)
+        return (_words32(shape, source, device) >> (32 - bits)) & ((1 << bits) - 1)
     return torch.randint(0, 1 << bits, shape, generator=source, dtype=torch.int32, device=device)

@@ -206,7 +206,8 @@ def _native_fp8_ok(fmt: FloatFormat, saturate: bool, device: torch.device) -> bo
 
 def threshold_format(fmt: Format) -> bool:
     """True for formats whose codes the optimizer's codec finds by counting thresholds
-    (``nearest_thresholds``; ``optim.codec``): signed float formats of <= 4 bits with subnormals and neither inf nor NaN (fp4: e2m1)."""
+    (``nearest_thresholds``; ``optim.codec``): signed float formats of <= 4 bits with subnormals and
+    neither inf nor NaN (fp4: e2m1)."""
     return (
         isinstance(fmt, FloatFormat)
         and fmt.bits <= 4

@@ -123,7 +123,7 @@ def scale_from_amax(
     """
     elem, sfmt = spec.elem, get_format(spec.scale_format)
     max_elem = elem.max if target is None else target
-    smallest = sfmt.min_normal if spec.scale_min == "normal" else sfmt.min_subnormal
+    smallest = smallest_scale(spec)
     if spec.scale_rounding == "exact":
         s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
         if spec.margin:
@@ -162,13 +162,18 @@ def tensor_scale_max(spec: QuantSpec) -> float:
     return adaptive.TENSOR_SCALE_MAX if spec.four_over_six != "off" else get_format(spec.scale_format).max
 
 
+def smallest_scale(spec: QuantSpec) -> float:
+    """The smallest scale ``spec`` gives: the scale format's smallest subnormal (smallest normal with
+    ``scale_min = "normal"``)."""
+    sfmt = get_format(spec.scale_format)
+    return sfmt.min_normal if spec.scale_min == "normal" else sfmt.min_subnormal
+
+
 def _inverse_exact(spec: QuantSpec) -> bool:
     """True when every scale of ``spec`` is a power of two whose inverse fp32 holds exactly (scales from
     the smallest, >= 2**-127, to 2**127; fp32-format power-of-two scales may go down to 2**-149, whose
     inverse overflows)."""
-    sfmt = get_format(spec.scale_format)
-    smallest = sfmt.min_normal if spec.scale_min == "normal" else sfmt.min_subnormal
-    return spec.scale_rounding != "exact" and smallest >= 2.0**-127
+    return spec.scale_rounding != "exact" and smallest_scale(spec) >= 2.0**-127
 
 
 OwnBuffer = Literal["none", "columns", "all"]
