@@ -4,7 +4,16 @@ Pure functions of tensors (torch only). See docs/formats.md.
 """
 
 from .codec import decode, encode, finite_grid_values, pack, unpack
-from .quant import QuantizedTensor, dequantize, fake_quantize, quantize
+from .quant import (
+    Factored,
+    QuantizedTensor,
+    dequantize,
+    factored_quantize,
+    fake_quantize,
+    has_outer_scale,
+    quantize,
+    split_scale,
+)
 from .random import RandomSource, derive_key, fold_key, random_bits, uniform, uniform_int
 from .rounding import ROUNDINGS, round_to
 from .scaling import (
@@ -24,6 +33,7 @@ __all__ = [
     "FORMATS",
     "ROUNDINGS",
     "SCALE_FORMATS",
+    "Factored",
     "FloatFormat",
     "Format",
     "GroupScales",
@@ -37,6 +47,7 @@ __all__ = [
     "derive_key",
     "dequantize",
     "encode",
+    "factored_quantize",
     "fake_quantize",
     "finite_grid_values",
     "fold_key",
@@ -44,11 +55,13 @@ __all__ = [
     "group_amax",
     "group_scales",
     "grouped_shape",
+    "has_outer_scale",
     "pack",
     "quantize",
     "random_bits",
     "round_to",
     "scale_from_amax",
+    "split_scale",
     "uniform",
     "uniform_int",
     "unpack",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,64 @@ def _round_scaled(xg: torch.Tensor, gs: GroupScales, spec: QuantSpec, generator)
     return round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, generator)
 
 
+class Factored(NamedTuple):
+    """A cast split the way a scaled GEMM kernel consumes it: ``inner`` goes into the multiply, ``outer``
+    scales its result.
+
+    ``inner``: values on the element grid times every scale that varies along the grouped (blocked) dims,
+    and times power-of-two scales (which commute with the GEMM's one rounding); ``outer``: the fp32 scale
+    that is constant along every block: the tensor / per-row scale of "tensor" / "axis" scaling with exact
+    scales (fp8 tensorwise), the tensor scale of two-level scaling (NVFP4), else None. Under a GEMM that
+    contracts over the grouped dims, ``outer`` factors out of every sum.
+    """
+
+    inner: torch.Tensor
+    outer: torch.Tensor | None
+
+    def value(self, in_place: bool = False) -> torch.Tensor:
+        """The cast's values, ``inner * outer`` (``in_place``: into ``inner``, for a caller that owns the
+        split and reads nothing else of it)."""
+        if self.outer is None:
+            return self.inner
+        return self.inner.mul_(self.outer) if in_place else self.inner * self.outer
+
+
+def has_outer_scale(spec: QuantSpec | None) -> bool:
+    """True when casts under ``spec`` have an ``outer`` scale (``Factored``): a "tensor" / "axis" scale
+    that is not a power of two (exact rounding, or relative to a two-level tensor scale), or a block / tile
+    spec's two-level tensor scale."""
+    if spec is None or spec.scaling == "none":
+        return False
+    if spec.scaling in ("tensor", "axis"):
+        return spec.scale_rounding == "exact" or spec.tensor_scale
+    return spec.tensor_scale
+
+
+def split_scale(q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> Factored:
+    """``Factored`` of grid values ``q`` under one "tensor" / "axis" scale (see ``Factored``)."""
+    return Factored(q, scale) if has_outer_scale(spec) else Factored(q.mul_(scale), None)
+
+
+def factored_quantize(
+    x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None, own_buffer: OwnBuffer = "columns"
+) -> Factored:
+    """``fake_quantize`` split into the part a GEMM multiplies and the part that scales its result.
+
+    Args:
+        x, spec, generator, own_buffer: as ``fake_quantize``.
+
+    Returns:
+        ``Factored`` with fp32 tensors; ``inner`` has x's shape, ``outer`` broadcasts against it.
+    """
+    xg, gs = _grouped(x, spec, own_buffer)
+    y = _round_scaled(xg, gs, spec, generator)
+    if spec.scaling in ("tensor", "axis"):
+        return split_scale(y, gs.scale, spec)
+    if spec.scaling != "none":
+        y = y.mul_(gs.block_scale)
+    return Factored(y.reshape(x.shape), gs.tensor_scale)
+
+
 def fake_quantize(
     x: torch.Tensor, spec: QuantSpec, generator: RandomSource = None, own_buffer: OwnBuffer = "columns"
 ) -> torch.Tensor:
@@ -46,16 +105,14 @@ def fake_quantize(
             unchanged; see ``scaling.group_scales``).
 
     Returns:
-        Tensor of x's shape and dtype: round(x / scale) * scale per group (computed in fp32).
+        Tensor of x's shape and dtype: round(x / scale) * scale per group (computed in fp32). Under
+        two-level scaling the element is multiplied by its block scale first (exact), then by the tensor
+        scale: the correctly rounded value of the format's number (``Factored.value``).
 
     Raises:
         ValueError: the shape does not fit the spec.
     """
-    xg, gs = _grouped(x, spec, own_buffer)
-    y = _round_scaled(xg, gs, spec, generator)
-    if spec.scaling != "none":
-        y = y.mul_(gs.scale)
-    return y.reshape(x.shape).to(x.dtype)
+    return factored_quantize(x, spec, generator, own_buffer).value(in_place=True).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -111,12 +168,13 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         q: the quantized tensor.
 
     Returns:
-        codes decoded times (block scale * tensor scale), reshaped to ``q.shape``, cast to ``q.dtype``.
+        codes decoded times the block scale, times the tensor scale, reshaped to ``q.shape``, cast to ``q.dtype``.
     """
     gshape, _ = grouped_shape(q.shape, q.spec)
     fmt = q.spec.elem
     y = decode(unpack(q.codes, fmt.bits, q.shape.numel()), fmt).reshape(gshape)
     if q.spec.scaling != "none":
-        scale = q.scales if q.tensor_scale is None else q.scales * q.tensor_scale
-        y = y * scale
+        y = y * q.scales  # exact under two-level scaling; the tensor scale then rounds once (fake_quantize)
+    if q.tensor_scale is not None:
+        y = y * q.tensor_scale
     return y.reshape(q.shape).to(q.dtype)

@@ -105,7 +105,9 @@ def attention_gemm(
     out = []
     for i, transpose in ((op.a, op.a_t), (op.b, op.b_t)):
         t = source_operand(i, tensors, specs[i], batched_axis(ROLES[i]))
-        q = tensors[ROLES[i].name] = cast_operand(i, t, specs[i], (), state, mode, record)
+        q = tensors[ROLES[i].name] = cast_operand(i, t, specs[i], (), state, mode, record).value(
+            in_place=True
+        )
         out.append(q.mT if transpose else q)
     y = out[0] @ out[1]
     probe.record_output(state, mode, GEMMS.index(gemm), y)

@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 
 from low_bits_training.formats import (
+    Factored,
     QuantSpec,
     RandomSource,
     check_divisible,
-    fake_quantize,
+    factored_quantize,
     round_to,
     scale_from_amax,
+    split_scale,
 )
 
 from . import delayed
@@ -117,7 +119,7 @@ def delayed_values(
     return _round(t.to(torch.float32) / scale, spec, key), scale
 
 
-def cast(
+def cast_factored(
     t: torch.Tensor,
     spec: QuantSpec | None,
     shards: ShardGroups = (),
@@ -125,8 +127,9 @@ def cast(
     role: str = "operand",
     history: torch.Tensor | None = None,
     record: bool = False,
-) -> torch.Tensor:
-    """``t`` as the low-bit format would carry it (fp32), or ``t`` in fp32 for high precision.
+) -> Factored:
+    """``t`` as the low-bit format would carry it, split the way a scaled GEMM consumes it (``Factored``:
+    the part the GEMM multiplies, the fp32 scale of its result); high precision: ``t`` in fp32, no scale.
 
     Args:
         t: 2-D operand (local shard under TP).
@@ -140,22 +143,26 @@ def cast(
         record: with a history, push this cast's amax into it (see ``delayed_values``).
 
     Returns:
-        fp32 tensor of ``t``'s shape.
+        fp32 ``Factored``; ``inner`` has ``t``'s shape.
 
     Raises:
         ValueError: the shape does not fit the spec (the message names the role, the shape and the block).
     """
     t = t.to(torch.float32)
     if spec is None:
-        return t
+        return Factored(t, None)
     check_fits(t.shape, spec, role)  # every path below groups t by the spec's blocks
     if spec.amax_history and history is not None:
-        q, scale = delayed_values(t, spec, shards, key, history, record)
-        return q * scale
+        return split_scale(*delayed_values(t, spec, shards, key, history, record), spec)
     if needs_global_amax(spec, t.dim(), shards, role):
-        q, scale = scaled_values(t, spec, shards, key)
-        return q * scale
-    return fake_quantize(t, spec, key, own_buffer="all")  # the grouped (MoE) casts keep "columns"
+        return split_scale(*scaled_values(t, spec, shards, key), spec)
+    return factored_quantize(t, spec, key, own_buffer="all")  # the grouped (MoE) casts keep "columns"
+
+
+def cast(t: torch.Tensor, spec: QuantSpec | None, *args, **kwargs) -> torch.Tensor:
+    """``t`` as the low-bit format would carry it (fp32), or ``t`` in fp32 for high precision: the values
+    of ``cast_factored`` (the same arguments)."""
+    return cast_factored(t, spec, *args, **kwargs).value(in_place=True)
 
 
 def check_fits(shape: torch.Size, spec: QuantSpec, role: str) -> None:

@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from low_bits_training.formats import QuantSpec, hadamard
-from low_bits_training.formats.table import IntFormat
+from low_bits_training.formats import Factored, QuantSpec, hadamard
+from low_bits_training.formats.table import IntFormat, get_format
 
 from . import kernels, probe, rng
-from .cast import ShardGroups, cast
+from .cast import ShardGroups, cast_factored
 from .probe import NO_STATE, PROBE_OFF, LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan, source_key
 
@@ -58,34 +58,72 @@ GEMM_OUTPUT = {"forward": "input", "dgrad": "input", "wgrad": "weight"}
 """The natural operand whose dtype a GEMM's result is returned in (y and dx: the input's; dW: the weight's)."""
 
 
+def significant_bits(fmt) -> int:
+    """Significant bits of a format's values (floats: mantissa bits + 1; symmetric ints: magnitude bits)."""
+    return fmt.bits - 1 if isinstance(fmt, IntFormat) else fmt.mbits + 1
+
+
 def exact_in_bf16(spec: QuantSpec | None, dtype: torch.dtype) -> bool:
-    """True when every value of an operand cast under ``spec`` (or, for ``None``, the operand itself in
-    ``dtype``) is a bf16 number: an element grid of <= 8 significant bits times a power-of-two scale
-    (scale_rounding floor / ceil / rceil, no fp32 tensor scale, no 4over6). Blocks whose scale lies below
-    2**-124 (amax below ~2**-116) are the exception: their smallest elements would fall under bf16's
-    subnormal floor; no training tensor comes near it."""
+    """True when every value of an operand's GEMM part (``Factored.inner`` of its cast, or, for ``None``,
+    the operand itself in ``dtype``) is a bf16 number: element and in-block scale significands together of
+    <= 8 bits (a power-of-two scale adds none; an exact block scale its format's; a tensor / per-row scale of
+    exact rounding or under a two-level tensor scale, and a two-level tensor scale itself, are applied to
+    the GEMM's result instead, ``formats.has_outer_scale``).
+    Blocks whose scale lies below 2**-124 (amax below ~2**-116) are the exception: their smallest elements
+    would fall under bf16's subnormal floor; no training tensor comes near it."""
     if spec is None:
         return dtype == torch.bfloat16
-    elem = spec.elem
-    narrow = elem.bits <= 9 if isinstance(elem, IntFormat) else elem.mbits <= 7
-    pow2 = spec.scaling == "none" or (spec.scale_rounding != "exact" and not spec.tensor_scale)
-    return narrow and pow2 and spec.four_over_six == "off"
+    bits = significant_bits(spec.elem)
+    if spec.scaling in ("block", "tile"):
+        bits += 0 if spec.scale_rounding != "exact" else significant_bits(get_format(spec.scale_format))
+    return bits <= 8
 
 
 def gemm_dtype(gemm: str, tensors: dict[str, torch.Tensor], sa: QuantSpec | None, sb: QuantSpec | None):
-    """The dtype an emulated GEMM multiplies in: bf16 when its result is returned in bf16 and both cast
-    operands are bf16 numbers (``exact_in_bf16``), else fp32.
+    """The dtype an emulated GEMM multiplies in: bf16 when its result is returned in bf16 and both
+    operands' GEMM parts are bf16 numbers (``exact_in_bf16``), else fp32 (the cast values).
 
-    The bf16 GEMM is what a low-precision kernel does: exact products of the grid values (a power-of-two
-    scale commutes with them), fp32 accumulation, one rounding of the result to the output dtype. It differs
-    from an fp32 GEMM of the same operands only in accumulation order, and runs 3-6x faster on CPUs with
-    bf16 matrix units (AMX, AVX512-BF16).
+    In bf16 the GEMM is what a low-precision kernel does: exact products of the grid values (times their
+    in-block scales), fp32 accumulation, the scales that factor out of the sums (``Factored.outer``: fp8
+    tensorwise's, NVFP4's tensor scale) applied to the fp32 result as a scaled GEMM's epilogue does, and one
+    rounding to bf16. Against an fp32 GEMM of the cast values it differs in accumulation order and, with
+    outer scales, where they round. It runs 3-6x faster on CPUs with bf16 matrix units (AMX,
+    AVX512-BF16): a bf16 GEMM with a bf16 result where no outer scale follows, else a bf16-input GEMM that
+    accumulates into fp32 (``kernels.mm_fp32_accumulate``). fp32 results (fp32 activations) keep the fp32
+    GEMM of the cast values, which torchao's emulated modules also run (bit for bit with them).
     """
     out = tensors[GEMM_OUTPUT[gemm]].dtype
     op = GEMM_OPERANDS[gemm]
     da, db = (tensors[ROLES[i].operand].dtype for i in (op.a, op.b))
     exact = exact_in_bf16(sa, da) and exact_in_bf16(sb, db)
     return torch.bfloat16 if out == torch.bfloat16 and exact else torch.float32
+
+
+def product(gemm: str, tensors: dict[str, torch.Tensor], fa: Factored, fb: Factored, sa, sb) -> torch.Tensor:
+    """``A @ B`` of two cast operands (natural orientation, ``GEMM_OPERANDS`` transposes), in the dtype
+    ``gemm_dtype`` gives: bf16 (a bf16 result directly, or fp32 accumulation times the outer scales), or
+    fp32 of the cast values.
+
+    The outer scales multiply the fp32 result as a scaled GEMM's epilogue does: two per-tensor scales as
+    one product (cuBLAS's alpha), per-row / per-column scales one after the other.
+    """
+    op = GEMM_OPERANDS[gemm]
+
+    def oriented(t: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:
+        return t.t() if transpose and t is not None else t
+
+    if gemm_dtype(gemm, tensors, sa, sb) == torch.float32:
+        return oriented(fa.value(), op.a_t) @ oriented(fb.value(), op.b_t)
+    if fa.outer is None and fb.outer is None:
+        return oriented(fa.inner.bfloat16(), op.a_t) @ oriented(fb.inner.bfloat16(), op.b_t)
+    y = kernels.mm_fp32_accumulate(oriented(fa.inner, op.a_t), oriented(fb.inner, op.b_t))
+    oa, ob = oriented(fa.outer, op.a_t), oriented(fb.outer, op.b_t)
+    if oa is not None and ob is not None and oa.numel() == ob.numel() == 1:
+        return y * (oa * ob)
+    for o in (oa, ob):
+        if o is not None:
+            y = y * o
+    return y
 
 
 def source_operand(i: int, tensors: dict[str, torch.Tensor], spec, axis: int | None = None) -> torch.Tensor:
@@ -102,16 +140,18 @@ def source_operand(i: int, tensors: dict[str, torch.Tensor], spec, axis: int | N
     return t
 
 
-def cast_operand(i: int, t: torch.Tensor, spec, shards, state: GemmState, mode: ProbeMode, record: bool):
+def cast_operand(
+    i: int, t: torch.Tensor, spec, shards, state: GemmState, mode: ProbeMode, record: bool
+) -> Factored:
     """Cast one operand (role ``ROLES[i]``; stochastic rounding keyed by ``rng.role_key(state.key, i)``,
     delayed scaling from ``state.history[i]``) and record it in the layer's probe."""
     key = rng.role_key(state.key, i) if spec is not None and spec.rounding == "stochastic" else None
     history = (
         state.history[i] if state.history is not None and spec is not None and spec.amax_history else None
     )
-    q = cast(t, spec, shards, key, ROLES[i].name, history, record)
-    probe.record_operand(state, mode, i, t, spec, q if spec is not None else None)
-    return q
+    f = cast_factored(t, spec, shards, key, ROLES[i].name, history, record)
+    probe.record_operand(state, mode, i, t, spec, f.value() if spec is not None and mode.stats else None)
+    return f
 
 
 def run_gemm(
@@ -150,11 +190,12 @@ def run_gemm(
         probe.record_operand(state, mode, op.b, b, sb)
         y = kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
     else:
-        a = tensors[ROLES[op.a].name] = cast_operand(op.a, a, sa, ga, state, mode, record)
-        b = tensors[ROLES[op.b].name] = cast_operand(op.b, b, sb, gb, state, mode, record)
-        dt = gemm_dtype(gemm, tensors, sa, sb)
-        a, b = a.to(dt), b.to(dt)
-        y = (a.t() if op.a_t else a) @ (b.t() if op.b_t else b)
+        fa = cast_operand(op.a, a, sa, ga, state, mode, record)
+        fb = cast_operand(op.b, b, sb, gb, state, mode, record)
+        for i, f in ((op.a, fa), (op.b, fb)):
+            if ROLES[i].name in plan.saved_casts:  # a backward role casts this forward cast again
+                tensors[ROLES[i].name] = f.value()
+        y = product(gemm, tensors, fa, fb, sa, sb)
     probe.record_output(state, mode, GEMMS.index(gemm), y)
     return y
 

@@ -95,8 +95,10 @@ def _round(t: torch.Tensor, spec: QuantSpec, key) -> torch.Tensor:
     return round_to(t, spec.elem, spec.rounding, spec.saturate, key)
 
 
-def _two_level_scale(t: torch.Tensor, spec: QuantSpec, tamax: torch.Tensor) -> torch.Tensor:
-    """Block scale x per-group tensor scale of a two-level spec, in the grouped view of ``t``.
+def _two_level_scales(
+    t: torch.Tensor, spec: QuantSpec, tamax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scale and per-group tensor scale of a two-level spec, in the grouped view of ``t``.
 
     The tensor scale is ``formats.scaling.group_scales``'s, with the group's amax for the tensor's.
     """
@@ -104,7 +106,7 @@ def _two_level_scale(t: torch.Tensor, spec: QuantSpec, tamax: torch.Tensor) -> t
     block_amax = group_amax(t.reshape(gshape), dims)
     ts = torch.where(tamax == 0, 1.0, tamax / (get_format(spec.scale_format).max * spec.elem.max))
     ts = group_amax(ts.expand_as(t).reshape(gshape), dims)  # every block lies in one group
-    return scale_from_amax(block_amax, spec, tensor_scale=ts) * ts
+    return scale_from_amax(block_amax, spec, tensor_scale=ts), ts
 
 
 def group_cast(
@@ -140,9 +142,9 @@ def group_cast(
     amax = _row_amax(t, spec, gid, groups)
     if spec.tensor_scale:
         gshape, _ = grouped_shape(t.shape, spec)
-        scale = _two_level_scale(t, spec, amax)
-        tg = t.reshape(gshape)
-        return (_round(tg / scale, spec, key) * scale).reshape(t.shape)
+        bs, ts = _two_level_scales(t, spec, amax)
+        tg = t.reshape(gshape)  # divided by block * tensor scale; dequantized as fake_quantize does
+        return (_round(tg / (bs * ts), spec, key) * bs * ts).reshape(t.shape)
     scale = scale_from_amax(amax, spec)  # the per-group scale, broadcast to each row (or element)
     return _round(t / scale, spec, key) * scale
 

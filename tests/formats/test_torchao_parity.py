@@ -50,8 +50,10 @@ def _ao_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ts = per_tensor_amax_to_scale(x.abs().max())
     scales, packed = nvfp4_quantize(x, 16, ts)
     vals = f4_unpacked_to_f32(unpack_uint4(packed)).reshape(x.shape[0], -1, 16)
-    dequant = scales.float().reshape(x.shape[0], -1, 1) * ts  # block scale x tensor scale, as we dequantize
-    return scales.float().flatten(), (vals * dequant).reshape(x.shape)
+    # element x block scale (exact) x tensor scale, as we dequantize (torchao's dequantize multiplies by
+    # tensor x block scale first: the last fp32 bit may differ)
+    values = vals * scales.float().reshape(x.shape[0], -1, 1) * ts
+    return scales.float().flatten(), values.reshape(x.shape)
 
 
 def test_nvfp4_block_scales_subnormal_vs_torchao_normal_floor():

@@ -1,5 +1,8 @@
-"""The emulated GEMMs run in bf16 where that is exact (``nn.functional.gemm_dtype``): bf16 results from
-operands whose cast values are all bf16 numbers (grids of <= 8 significant bits, power-of-two scales)."""
+"""The emulated GEMMs run in bf16 where that is exact (``nn.functional.gemm_dtype``): operands whose GEMM
+parts (``Factored.inner``) are all bf16 numbers (grids of <= 8 significant bits times in-block scales that
+keep them so), when the result is bf16. A bf16 result with no outer scale comes straight from a bf16 GEMM;
+fp32 tensor / per-row scales (fp8 tensorwise) and NVFP4's tensor scale multiply an fp32-accumulated bf16
+GEMM (``kernels.mm_fp32_accumulate``) before the one rounding. fp32 results: fp32 GEMMs of the cast values."""
 
 from __future__ import annotations
 
@@ -7,17 +10,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from low_bits_training.formats import fake_quantize
+from low_bits_training.formats import factored_quantize, fake_quantize
 from low_bits_training.nn import ROLES, LinearPlan
 from low_bits_training.nn.functional import GEMM_OPERANDS, gemm_dtype, quant_linear
 
-EXPECTED = {  # recipe -> dtype of the (forward, dgrad, wgrad) GEMMs with bf16 activations and weights
+EXPECTED = {  # recipe -> GEMM of the (forward, dgrad, wgrad) products with bf16 activations and weights
     "fp8_rowwise": ("bf16", "bf16", "bf16"),
     "mxfp8": ("bf16", "bf16", "bf16"),
     "mxfp4": ("bf16", "bf16", "bf16"),
     "fp8_rowwise_hp_wgrad": ("bf16", "bf16", "bf16"),  # power-of-two scales; wgrad: the bf16 tensors
-    "fp8_tensorwise": ("fp32", "fp32", "fp32"),  # fp32 scales
-    "nvfp4": ("fp32", "fp32", "fp32"),  # ue4m3 block scales under an fp32 tensor scale
+    "fp8_tensorwise": ("bf16>fp32", "bf16>fp32", "bf16>fp32"),  # fp32 tensor scales after the GEMM
+    "nvfp4": ("bf16>fp32", "bf16>fp32", "bf16>fp32"),  # ue4m3 block scales inside, fp32 tensor scale after
 }
 NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -30,6 +33,8 @@ class _MatmulDtypes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.mm.default:
             self.seen.append(NAMES[args[0].dtype])
+        if func is torch.ops.lbt.mm_fp32_accumulate.default:  # the mm inside it runs below this mode
+            self.seen.append("bf16>fp32")
         return func(*args, **(kwargs or {}))
 
 
@@ -49,35 +54,46 @@ def test_each_gemm_runs_in_the_dtype_the_rule_gives(recipe):
     rule = tuple(
         NAMES[gemm_dtype(g, tensors, plan.specs[op.a], plan.specs[op.b])] for g, op in GEMM_OPERANDS.items()
     )
-    assert rule == EXPECTED[recipe]
+    assert rule == tuple(e[:4] for e in EXPECTED[recipe])  # "bf16>fp32" multiplies in bf16 too
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     with _MatmulDtypes() as mode:
         y = quant_linear(xr, wr, None, plan)
         y.backward(dy)
     assert tuple(mode.seen) == EXPECTED[recipe]  # forward, then dgrad, then wgrad
     assert y.dtype == xr.grad.dtype == wr.grad.dtype == torch.bfloat16
-    x32, w32, dy32 = (t.float() for t in (x, w, dy))
+    x32, w32 = x.float(), w.float()  # fp32 results: the fp32 GEMM of the cast values
     assert gemm_dtype("forward", {"input": x32, "weight": w32}, plan.specs[0], plan.specs[1]) == torch.float32
+    with _MatmulDtypes() as mode:
+        quant_linear(x32, w32, None, plan)
+    assert mode.seen == ["fp32"]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "mxfp4"])
-def test_power_of_two_scaled_casts_are_bf16_numbers(recipe):
-    # The premise of the bf16 GEMM: every cast value survives a round trip through bf16 unchanged.
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "mxfp4", "fp8_tensorwise", "nvfp4"])
+def test_gemm_parts_of_casts_are_bf16_numbers(recipe):
+    # The premise of the bf16 GEMM: every GEMM part of a cast survives a round trip through bf16 unchanged
+    # (for power-of-two scales the whole cast; for NVFP4 the elements times their ue4m3 block scales).
     x, w, dy = _operands(torch.bfloat16, seed=1)
     natural = {"input": x, "weight": w, "grad_output": dy}
     for role, spec in zip(ROLES, LinearPlan.from_recipe(recipe).specs, strict=True):
-        q = fake_quantize(natural[role.operand].float(), spec)  # plan specs carry the role's axis
-        assert torch.equal(q.bfloat16().float(), q), role.name
+        t = natural[role.operand].float()
+        f = factored_quantize(t, spec, torch.Generator().manual_seed(3))  # plan specs carry the role's axis
+        assert torch.equal(f.inner.bfloat16().float(), f.inner), role.name
+        assert torch.equal(f.value(), fake_quantize(t, spec, torch.Generator().manual_seed(3))), role.name
+        assert (f.outer is None) == (recipe not in ("fp8_tensorwise", "nvfp4")), role.name
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8", "fp8_tensorwise", "nvfp4"])
 def test_bf16_gemm_is_the_exact_product_rounded_once(recipe):
-    # bf16 GEMM (fp32 accumulation, one rounding) against the float64 product of the same casts: within
-    # half a bf16 ulp plus the fp32 accumulation error, everywhere.
+    # bf16 GEMM (fp32 accumulation, outer scales on the fp32 result, one rounding) against the float64
+    # product of the exact values of the same casts: within half a bf16 ulp plus the fp32 accumulation
+    # error, everywhere.
     plan = LinearPlan.from_recipe(recipe)
     x, w, _ = _operands(torch.bfloat16, seed=2)
     y = quant_linear(x, w, None, plan).double()
-    xq = fake_quantize(x.float(), plan.specs[0]).double()
-    wq = fake_quantize(w.float(), plan.specs[1]).double()
-    ref = xq @ wq.t()
+
+    def exact(t, spec):
+        f = factored_quantize(t.float(), spec)
+        return f.inner.double() * (1.0 if f.outer is None else f.outer.double())
+
+    ref = exact(x, plan.specs[0]) @ exact(w, plan.specs[1]).t()
     assert ((y - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()

@@ -9,6 +9,7 @@ from nn_helpers import plan_for, sqnr_db
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan, rng
+from low_bits_training.nn.cast import cast
 from low_bits_training.nn.functional import run_gemm
 from low_bits_training.nn.grouped import Groups, group_cast, grouped_linear, pad_multiple, run_grouped_gemm
 
@@ -69,6 +70,17 @@ def test_grouped_equals_each_expert_as_a_linear_layer(recipe):
             assert torch.equal(got[valid:], torch.zeros_like(got[valid:]))  # the padded tail stays 0
             got = got[:valid]
         assert torch.equal(got, ref), f"{recipe} {gemm}"
+    starts = [0, *offs.tolist()[:-1]]
+    # and the forward GEMM's casts, expert by expert, equal the dense layer's
+    for spec, t, gid in (
+        (plan.specs[0], x, groups.tokens),
+        (plan.specs[1], tensors["weight"], groups.weights),
+    ):
+        q = group_cast(t, spec, gid, E)
+        for e, (s, t_end) in enumerate(zip(starts, offs.tolist(), strict=True)):
+            rows = slice(s, t_end) if gid is groups.tokens else slice(e * N, (e + 1) * N)
+            if rows.stop > rows.start:
+                assert torch.equal(q[rows], cast(t[rows], spec)), f"{recipe} expert {e}"
 
 
 def test_pad_multiple_follows_the_token_blocks():

@@ -2,8 +2,11 @@
 
 Stated bound: on CPU the real and emulated GEMMs agree bit for bit (forward, grad_input, grad_weight; fp32
 and bf16 inputs) wherever the scales are powers of two (rowwise rceil recipes, tensorwise with rceil). With
-fp32 tensor scales the e4m3 x e4m3 forward GEMM differs in the last bit (within 4e-7 of the largest output in
-fp32; the CPU kernel applies the scales in another order); grad_input and grad_weight stay bit for bit.
+fp32 tensor scales: fp32 inputs, the e4m3 x e4m3 forward GEMM differs in the last bit (within 4e-7 of the
+largest output; the CPU kernel applies the scales in another order), grad_input and grad_weight stay bit for
+bit; bf16 inputs, all three differ by at most one bf16 ulp (or 1e-6 of the largest output, where sums
+cancel) on < 0.1% of the elements (the emulation multiplies the fp32 accumulation by the two scales, as a
+GPU kernel's epilogue does, ``nn.functional.product``; torch's CPU kernel scales the operands first).
 """
 
 import dataclasses
@@ -31,6 +34,12 @@ def test_real_equals_emulate(recipe, dtype):
         x, w, dy = operands(m=192, k=320, n=256, dtype=dtype, seed=seed)
         emu, real = linear_grads(x, w, dy, plan), linear_grads(x, w, dy, real_plan)
         for name, a, b in zip(("output", "grad_input", "grad_weight"), real, emu, strict=True):
+            if recipe == "fp8_tensorwise" and dtype == torch.bfloat16:
+                a, b = a.float(), b.float()
+                bound = 2.0**-7 * torch.maximum(a.abs(), b.abs()) + 1e-6 * b.abs().max()  # + cancellation
+                assert ((a - b).abs() <= bound).all(), f"{recipe} {dtype} {name}"
+                assert (a != b).float().mean() < 1e-3, f"{recipe} {dtype} {name}"
+                continue
             if recipe == "fp8_tensorwise" and name == "output":
                 # e4m3 x e4m3 with fp32 (not power-of-two) scales: the CPU kernel applies the two scales in
                 # another order than the emulation's (q_a s_a)(q_b s_b) products: last-bit differences.
