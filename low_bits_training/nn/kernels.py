@@ -1,4 +1,5 @@
-"""Our own real fp8 GEMM (``torch._scaled_mm``), kept as a reference; torchao's modules are the real kernels.
+"""Our own real fp8 GEMM (``torch._scaled_mm``), kept as a reference, and the emulation's bf16-input GEMM that
+accumulates into fp32 (``mm_fp32_accumulate``); torchao's modules are the real kernels.
 
 - Real kernels come from torchao: ``nn.torchao_modules`` (which torchao module computes a plan) and the torchao
   backend (``config.backends``, ``titan.torchao_backend``).
@@ -100,7 +101,8 @@ def mm_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     exact here because rounding a bf16 number to bf16 changes nothing. CPUs without bf16 support fall back
     to the fp32 GEMM (the same products and sums, in another order). Elsewhere a plain fp32 GEMM (TF32, if
     enabled, keeps bf16 numbers exact too). An opaque op to torch.compile, so compiled and eager runs call
-    the same kernel.
+    the same kernel. The setting is process-wide for the call's duration: an fp32 GEMM another thread ran
+    in that window would take bf16 inputs too (training runs its GEMMs on one thread per rank).
     """
     if a.device.type != "cpu":
         return torch.mm(a, b)
