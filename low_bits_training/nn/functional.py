@@ -112,8 +112,8 @@ def product(gemm: str, tensors: dict[str, torch.Tensor], fa: Factored, fb: Facto
     def oriented(t: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:
         return t.t() if transpose and t is not None else t
 
-    if gemm_dtype(gemm, tensors, sa, sb) == torch.float32:  # the splits are ours alone here (run_gemm)
-        return oriented(fa.value(in_place=True), op.a_t) @ oriented(fb.value(in_place=True), op.b_t)
+    if gemm_dtype(gemm, tensors, sa, sb) == torch.float32:
+        return oriented(fa.value(), op.a_t) @ oriented(fb.value(), op.b_t)
     if fa.outer is None and fb.outer is None:
         return oriented(fa.inner.bfloat16(), op.a_t) @ oriented(fb.inner.bfloat16(), op.b_t)
     y = kernels.mm_fp32_accumulate(oriented(fa.inner, op.a_t), oriented(fb.inner, op.b_t))
@@ -194,7 +194,7 @@ def run_gemm(
         fb = cast_operand(op.b, b, sb, gb, state, mode, record)
         for i, f in ((op.a, fa), (op.b, fb)):
             if ROLES[i].name in plan.saved_casts:  # a backward role casts this forward cast again
-                tensors[ROLES[i].name] = f.value()  # a copy: product() may scale the split in place
+                tensors[ROLES[i].name] = f.value()
         y = product(gemm, tensors, fa, fb, sa, sb)
     probe.record_output(state, mode, GEMMS.index(gemm), y)
     return y
