@@ -105,10 +105,12 @@ def test_debug_model_trains_with_fp8_attention(tmp_path):
     loss = fp8.losses
     assert sorted(loss) == list(range(1, 11))
     assert loss[10] < loss[1] - 1.0, loss
-    # fp8 attention + fp8 linears against the fp32 run: the mean of the last three steps (single steps of a
-    # batch of 2 x 128 tokens scatter by ~0.2) within 0.15 (measured: 6.81 vs 6.83)
+    # fp8 attention + fp8 linears against the fp32 run from the same seed (the preset is debug_model.toml plus
+    # [quantize]): step 1 within 0.01, the mean of the last three steps within 0.05 (measured: 0.0002 and
+    # 0.0036; before the preset had the seed, both runs started from different weights and differed by ~0.2)
+    assert abs(loss[1] - base[1]) < 0.01, (loss, base)
     last = [8, 9, 10]
-    assert abs(sum(loss[s] - base[s] for s in last) / 3) < 0.15, (loss, base)
+    assert abs(sum(loss[s] - base[s] for s in last) / 3) < 0.05, (loss, base)
     table = (fp8.folder / "precision_plan.txt").read_text()
     assert re.search(
         r"^layers\.\[0-5\]\.attention\.qk +QuantAttention +forward\.input +e4m3/tensor", table, re.M

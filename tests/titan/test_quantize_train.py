@@ -105,6 +105,28 @@ def test_presets_load_and_validate(path):
     assert (len(quantized) == 0) == (config.quantize.recipe == "bf16")
 
 
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "train_configs").glob("recipes/debug_*.toml")), ids=lambda p: p.stem
+)
+def test_debug_presets_are_the_debug_model_plus_their_quantize(path):
+    """Each recipe preset says it is debug_model.toml plus [quantize]: the same seed, data, optimizer and
+    shape, so its losses compare with the debug model's (a preset without the seed initialised the model
+    differently in every run)."""
+    import tomllib
+
+    def rest(p):
+        toml = tomllib.loads(p.read_text())
+        toml.pop("quantize", None)
+        toml["job"] = {k: v for k, v in toml["job"].items() if k not in ("name", "description")}
+        if p.stem == "debug_fsdp_lowbit_comm":  # low-bit FSDP all-gathers need two data ranks
+            assert toml.pop("parallelism") == {"data_parallel_shard_degree": 2}
+        return toml
+
+    base = rest(REPO / "train_configs" / "debug_model.toml")
+    assert base["debug"]["seed"] == 0
+    assert rest(path) == base
+
+
 def _plan_table(run) -> str:
     return (run.folder / "precision_plan.txt").read_text()
 
