@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from nn_helpers import operands, plan_for
 
-from helpers import free_port
+from helpers import free_port, leave_worker
 
 RECIPES = ("fp8_tensorwise", "fp8_rowwise", "mxfp8", "int8")
 
@@ -48,12 +48,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
                     (a - b).abs().max().item() / b.abs().max().item()
                     for a, b in zip(full, (yr, xr.grad, wr.grad), strict=True)
                 ]
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without the interpreter's teardown: in about 1 of 15 runs a native thread left running by the
-    # gloo / DTensor stack aborted rank 1 there ("terminate called without an active exception", SIGABRT)
-    # after all of its work and the results above were done.
-    os._exit(0)
+    leave_worker()
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import free_port, leave_worker
 from low_bits_training.formats import QuantSpec
 from low_bits_training.numerics import operand_stats, summarize
 from low_bits_training.titan.numerics import reduce_raw
@@ -29,7 +29,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     raw = torch.stack([operand_stats(x, s) for s in SPECS])
     reduce_raw(raw)
     torch.save(raw, f"{out}.{rank}")
-    dist.destroy_process_group()
+    leave_worker()
 
 
 @pytest.mark.slow

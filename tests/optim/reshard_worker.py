@@ -9,6 +9,7 @@ OUT (a checkpoint written by this world size, for the reverse direction), then t
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
 from low_bits_training.titan import cpu
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
+from helpers import leave_worker  # noqa: E402
 
 if cpu.needs_cpu_adapters():
     cpu.install_device_module()
@@ -97,8 +101,7 @@ def main(mode: str, folder: str, out: str | None = None) -> None:
         train_step(model, opt, 3)  # the resharded states step on
         if dist.get_rank() == 0:
             print(f"RESHARD-OK {len(ref)} tensors")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_worker()
 
 
 if __name__ == "__main__":

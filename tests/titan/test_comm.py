@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from helpers import free_port
+from helpers import free_port, leave_worker
 from low_bits_training.config.comm import CommConfig, WireFormat, wire_bytes, wire_spec
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec, derive_key, fake_quantize
@@ -187,7 +187,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         ),
     }
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
+    leave_worker()
 
 
 @pytest.fixture(scope="module")
