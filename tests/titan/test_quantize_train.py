@@ -127,6 +127,14 @@ def test_debug_presets_are_the_debug_model_plus_their_quantize(path):
     assert rest(path) == base
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "train_configs").rglob("debug_*.toml")), ids=lambda p: p.stem)
+def test_every_debug_config_is_seeded(path):
+    """Same config, same losses (docs/reliability.md): every debug config fixes torchtitan's seed."""
+    import tomllib
+
+    assert tomllib.loads(path.read_text()).get("debug", {}).get("seed") == 0
+
+
 def _plan_table(run) -> str:
     return (run.folder / "precision_plan.txt").read_text()
 
