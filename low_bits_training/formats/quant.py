@@ -49,7 +49,9 @@ class Factored(NamedTuple):
 
     def value(self, in_place: bool = False) -> torch.Tensor:
         """The cast's values, ``inner * outer`` (``in_place``: into ``inner``, for a caller that owns the
-        split and reads nothing else of it)."""
+        split and reads nothing else of it). The one place a two-level value is formed: ``(q * block) *
+        tensor``, the block product exact, so one rounding (``fake_quantize``, ``dequantize`` and the MoE
+        experts' per-group casts all end here)."""
         if self.outer is None:
             return self.inner
         return self.inner.mul_(self.outer) if in_place else self.inner * self.outer
@@ -174,7 +176,5 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     fmt = q.spec.elem
     y = decode(unpack(q.codes, fmt.bits, q.shape.numel()), fmt).reshape(gshape)
     if q.spec.scaling != "none":
-        y = y * q.scales  # exact under two-level scaling; the tensor scale then rounds once (fake_quantize)
-    if q.tensor_scale is not None:
-        y = y * q.tensor_scale
-    return y.reshape(q.shape).to(q.dtype)
+        y = y * q.scales
+    return Factored(y, q.tensor_scale).value(in_place=True).reshape(q.shape).to(q.dtype)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from low_bits_training.formats import (
+    Factored,
     QuantSpec,
     fake_quantize,
     get_format,
@@ -143,8 +144,8 @@ def group_cast(
     if spec.tensor_scale:
         gshape, _ = grouped_shape(t.shape, spec)
         bs, ts = _two_level_scales(t, spec, amax)
-        tg = t.reshape(gshape)  # divided by block * tensor scale; dequantized as fake_quantize does
-        return (_round(tg / (bs * ts), spec, key) * bs * ts).reshape(t.shape)
+        q = _round(t.reshape(gshape) / (bs * ts), spec, key)  # divided by block * tensor scale
+        return Factored(q * bs, ts).value(in_place=True).reshape(t.shape)  # as fake_quantize dequantizes
     scale = scale_from_amax(amax, spec)  # the per-group scale, broadcast to each row (or element)
     return _round(t / scale, spec, key) * scale
 
