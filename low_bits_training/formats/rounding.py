@@ -194,14 +194,20 @@ FP8_CAST_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """torch's fp8 dtypes whose casts round exactly as this module does (tested)."""
 
 
-def _native_fp8_ok(fmt: FloatFormat, saturate: bool, device: torch.device) -> bool:
-    # torch's fp8 cast kernels are one pass each (vs ~6 for the add/sub trick), and their numerics are ours
-    # (held to the reference and ml_dtypes in tests): e4m3fn saturates (so only saturate=True), e5m2 overflows
-    # to inf (the overflow rule then clamps if asked). Eagerly always; under torch.compile on CPU too, where
-    # inductor vectorizes the cast (and not the add/sub trick's bit reinterpretations). Not compiled for CUDA:
-    # Triton lacks fp8 on GPUs before sm89, and the add/sub trick fuses into the kernel there.
-    ok = NATIVE_FP8_CASTS and fmt.torch_dtype in FP8_CAST_DTYPES and (saturate or fmt.has_inf)
-    return ok and (compiling_for_cpu(device) or not torch.compiler.is_compiling())
+def native_fp8_dtype(fmt: Format, device: torch.device, saturate: bool = True) -> torch.dtype | None:
+    """The torch fp8 dtype whose cast kernels may stand in for this package's rounding and coding of ``fmt``
+    on ``device`` (nearest-even with subnormals; codes, NaN and -0 bit for bit; held to the reference and
+    ml_dtypes in tests), else None. One pass each, vs ~6 for the add/sub trick. Eagerly on every device;
+    under torch.compile on the CPU only, where inductor vectorizes the cast (and not the bit
+    reinterpretations of the general route). Not compiled for CUDA: Triton lacks fp8 on GPUs before sm89,
+    and the general route fuses into the kernel there. ``saturate=False`` (overflow keeps the format's own
+    inf / NaN) needs a format with inf: e4m3fn turns a value past its max into NaN, so it only stands in
+    for saturating casts (the caller clamps first); e5m2 overflows to inf as ours does. The one answer for
+    the casts (``round_to``) and the optimizer's state codes (``optim.codec``)."""
+    dtype = getattr(fmt, "torch_dtype", None)
+    if not (NATIVE_FP8_CASTS and dtype in FP8_CAST_DTYPES and (saturate or fmt.has_inf)):
+        return None
+    return dtype if compiling_for_cpu(device) or not torch.compiler.is_compiling() else None
 
 
 def threshold_format(fmt: Format) -> bool:
@@ -257,7 +263,7 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
     """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule (a may be overwritten)."""
     if isinstance(fmt, IntFormat):
         y = _round_int(a, rounding, generator)
-    elif rounding == "nearest" and FAST_PATHS and _native_fp8_ok(fmt, saturate, a.device):
+    elif rounding == "nearest" and FAST_PATHS and native_fp8_dtype(fmt, a.device, saturate) is not None:
         y = a.to(fmt.torch_dtype).to(torch.float32)
     elif rounding == "nearest" and FAST_PATHS and binade_format(fmt) and compiling_for_cpu(a.device):
         y = _rne_binades(a, fmt)

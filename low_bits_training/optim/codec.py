@@ -34,7 +34,7 @@ from low_bits_training.formats import (
     round_to,
 )
 from low_bits_training.formats.rounding import (
-    FP8_CAST_DTYPES,
+    native_fp8_dtype,
     nearest_thresholds,
     round_signed_,
     threshold_format,
@@ -51,16 +51,6 @@ def _lut(fmt: str, device: torch.device) -> torch.Tensor:
     """fp32 value of every code of an (<= 8-bit) format: eager decoding becomes one gather."""
     f = get_format(fmt)
     return decode(torch.arange(2**f.bits, dtype=torch.uint8, device=device), f)
-
-
-def native_dtype(fmt: Format, device: torch.device) -> torch.dtype | None:
-    """The torch fp8 dtype that stores ``fmt``'s codes where its cast kernels are vectorized (CPU), else None.
-
-    Its codes are ours bit for bit (NaN and -0 included; tested), so a cast to it rounds nearest-even with
-    subnormals exactly as ``formats`` does. Not used on CUDA: Triton lacks fp8 on GPUs before sm89.
-    """
-    dtype = getattr(fmt, "torch_dtype", None)
-    return dtype if dtype in FP8_CAST_DTYPES and device.type == "cpu" else None
 
 
 def _small_float(fmt: Format) -> bool:
@@ -86,11 +76,11 @@ def _decode_small(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def decode_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fp32 values of uint8 codes (same shape), equal to ``formats.decode`` (tested): the fp8 dtype's cast on
-    CPU; otherwise a table lookup eagerly, integer arithmetic under torch.compile (a gather does not
-    vectorize there)."""
+    """fp32 values of uint8 codes (same shape), equal to ``formats.decode`` (tested): the fp8 dtype's cast
+    where ``native_fp8_dtype`` allows it; otherwise a table lookup eagerly, integer arithmetic under
+    torch.compile (a gather does not vectorize there)."""
     f = get_format(fmt)
-    dtype = native_dtype(f, codes.device)
+    dtype = native_fp8_dtype(f, codes.device)
     if dtype is not None:
         return codes.view(dtype).to(torch.float32)
     if not torch.compiler.is_compiling():
@@ -104,12 +94,13 @@ def nearest_codes(q: torch.Tensor, sign: torch.Tensor, fmt: Format, saturate: bo
     does not; None when ``fmt`` has none. Equal to ``formats.quantize``'s codes bit for bit (tested, NaN, inf
     and -0 included).
 
-    fp8 on CPU: the dtype's cast. Float formats of <= 4 bits without NaN or inf (fp4): the magnitude's code is
-    the number of rounding thresholds (midpoints of neighbouring grid values) it passes, a tie going to the
-    even code; a NaN passes none (code +-0, as ``formats.encode`` gives formats without NaN).
+    fp8: the dtype's cast (where ``native_fp8_dtype`` allows it). Float formats of <= 4 bits without NaN or inf
+    (fp4): the magnitude's code is the number of rounding thresholds (midpoints of neighbouring grid values) it
+    passes, a tie going to the even code; a NaN passes none (code +-0, as ``formats.encode`` gives formats
+    without NaN).
     """
-    dtype = native_dtype(fmt, q.device)
-    if dtype is not None and (saturate or fmt.has_inf):
+    dtype = native_fp8_dtype(fmt, q.device, saturate)
+    if dtype is not None:
         q = (q.clamp(-fmt.max, fmt.max) if saturate else q).copysign(sign)  # a NaN takes the value's sign
         return q.to(dtype).view(torch.uint8)
     if not (threshold_format(fmt) and (saturate or fmt.saturates_always)):
