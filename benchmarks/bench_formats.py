@@ -7,6 +7,10 @@ eager and compiled, and ``x.clone()`` (the memory floor: read + write of the sam
 bytes. Timings are the minimum over repetitions (robust to other load on a shared machine).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_formats.py [--quick] [--size 4096] [--reps 3]
+        [--dtype bfloat16] [--only e5m2 ...]
+
+``--dtype bfloat16`` times the casts of bf16 tensors (training's activations and gradients: under
+torch.compile a kernel reading bf16 steps 32 elements at a time, which changes which casts vectorize).
 """
 
 from __future__ import annotations
@@ -115,19 +119,24 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1024 x 4096 and four cases")
     ap.add_argument("--size", type=int, default=4096, help="rows and columns of the fp32 input")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per cell (minimum taken)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
+    ap.add_argument("--only", nargs="*", default=None, help="cases whose label contains one of these")
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # one recompile per spec, see measure()
     rows = 1024 if args.quick else args.size
-    x = torch.randn(rows, args.size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(rows, args.size, generator=torch.Generator().manual_seed(0)).to(
+        getattr(torch, args.dtype)
+    )
     nbytes = x.numel() * x.element_size()
     floor = timeit(lambda: x.clone(), args.reps * 2)
     print(f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, input {tuple(x.shape)} fp32 "
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, input {tuple(x.shape)} {args.dtype} "
           f"({nbytes / 2**20:.0f} MiB); clone (memory floor) {floor * 1e3:.1f} ms = {nbytes / floor / 1e9:.2f} GB/s")  # fmt: skip
     print("\ncells: time / input GB/s (x the clone time)\n")
     print("| case | spec | ours eager | ours compiled | torchao eager | torchao compiled |")
     print("|---|---|---|---|---|---|")
-    for label, spec, ao in cases(args.quick):
+    chosen = [c for c in cases(args.quick) if args.only is None or any(o in c[0] for o in args.only)]
+    for label, spec, ao in chosen:
         ours = measure(x, lambda t, s=spec: fake_quantize(t, s), args.reps)
         theirs = measure(x, ao, args.reps) if ao is not None else (None, None)
         cells = [_cell(t, nbytes, floor) for t in (*ours, *theirs)]

@@ -16,15 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from low_bits_training.formats import Factored, QuantSpec, hadamard
+from low_bits_training.formats.rounding import native_fp8_dtype
 from low_bits_training.formats.table import IntFormat, get_format
 
 from . import kernels, probe, rng
 from .cast import ShardGroups, cast_factored
 from .probe import NO_STATE, PROBE_OFF, LayerState, ProbeMode
-from .roles import GEMMS, ROLES, LinearPlan, source_key
+from .roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan, source_key
 
 Shards = dict[str, ShardGroups]
 """Per operand name ("input", "weight", "grad_output"): its sharded dims under TP (empty: not sharded)."""
+Dtypes = dict[str, torch.dtype]
+"""Per operand name ("input", "weight", "grad_output"): the dtype of the natural (high-precision) tensor."""
 
 
 class GemmOperands(NamedTuple):
@@ -79,7 +82,7 @@ def exact_in_bf16(spec: QuantSpec | None, dtype: torch.dtype) -> bool:
     return bits <= 8
 
 
-def gemm_dtype(gemm: str, tensors: dict[str, torch.Tensor], sa: QuantSpec | None, sb: QuantSpec | None):
+def gemm_dtype(gemm: str, dtypes: Dtypes, sa: QuantSpec | None, sb: QuantSpec | None) -> torch.dtype:
     """The dtype an emulated GEMM multiplies in: bf16 when its result is returned in bf16 and both
     operands' GEMM parts are bf16 numbers (``exact_in_bf16``), else fp32 (the cast values).
 
@@ -92,14 +95,14 @@ def gemm_dtype(gemm: str, tensors: dict[str, torch.Tensor], sa: QuantSpec | None
     accumulates into fp32 (``kernels.mm_fp32_accumulate``). fp32 results (fp32 activations) keep the fp32
     GEMM of the cast values, which torchao's emulated modules also run (bit for bit with them).
     """
-    out = tensors[GEMM_OUTPUT[gemm]].dtype
+    out = dtypes[GEMM_OUTPUT[gemm]]
     op = GEMM_OPERANDS[gemm]
-    da, db = (tensors[ROLES[i].operand].dtype for i in (op.a, op.b))
+    da, db = (dtypes[ROLES[i].operand] for i in (op.a, op.b))
     exact = exact_in_bf16(sa, da) and exact_in_bf16(sb, db)
     return torch.bfloat16 if out == torch.bfloat16 and exact else torch.float32
 
 
-def product(gemm: str, tensors: dict[str, torch.Tensor], fa: Factored, fb: Factored, sa, sb) -> torch.Tensor:
+def product(gemm: str, dtypes: Dtypes, fa: Factored, fb: Factored, sa, sb) -> torch.Tensor:
     """``A @ B`` of two cast operands (natural orientation, ``GEMM_OPERANDS`` transposes), in the dtype
     ``gemm_dtype`` gives: bf16 (a bf16 result directly, or fp32 accumulation times the outer scales), or
     fp32 of the cast values.
@@ -112,7 +115,7 @@ def product(gemm: str, tensors: dict[str, torch.Tensor], fa: Factored, fb: Facto
     def oriented(t: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:
         return t.t() if transpose and t is not None else t
 
-    if gemm_dtype(gemm, tensors, sa, sb) == torch.float32:
+    if gemm_dtype(gemm, dtypes, sa, sb) == torch.float32:
         return oriented(fa.value(), op.a_t) @ oriented(fb.value(), op.b_t)
     if fa.outer is None and fb.outer is None:
         return oriented(fa.inner.bfloat16(), op.a_t) @ oriented(fb.inner.bfloat16(), op.b_t)
@@ -140,17 +143,41 @@ def source_operand(i: int, tensors: dict[str, torch.Tensor], spec, axis: int | N
     return t
 
 
+class Kept(NamedTuple):
+    """A cast that a later role of the same tensor reuses (``LinearPlan.reused_casts``), with the non-finite
+    flag value its operand recorded (None: flags off)."""
+
+    cast: Factored
+    bad: torch.Tensor | None
+
+
+Casts = dict[str, Kept]
+"""Casts by role name that later GEMMs of the layer reuse (see ``run_gemm``)."""
+
+
 def cast_operand(
-    i: int, t: torch.Tensor, spec, shards, state: GemmState, mode: ProbeMode, record: bool
+    i: int,
+    t: torch.Tensor,
+    spec,
+    shards,
+    state: GemmState,
+    mode: ProbeMode,
+    record: bool,
+    keep: Casts | None = None,
 ) -> Factored:
     """Cast one operand (role ``ROLES[i]``; stochastic rounding keyed by ``rng.role_key(state.key, i)``,
-    delayed scaling from ``state.history[i]``) and record it in the layer's probe."""
+    delayed scaling from ``state.history[i]``) and record it in the layer's probe; ``keep``: also put the
+    cast there under the role's name."""
     key = rng.role_key(state.key, i) if spec is not None and spec.rounding == "stochastic" else None
     history = (
         state.history[i] if state.history is not None and spec is not None and spec.amax_history else None
     )
     f = cast_factored(t, spec, shards, key, ROLES[i].name, history, record)
-    probe.record_operand(state, mode, i, t, spec, f.value() if spec is not None and mode.stats else None)
+    bad = probe.record_operand(
+        state, mode, i, t, spec, f.value() if spec is not None and mode.stats else None
+    )
+    if keep is not None:
+        keep[ROLES[i].name] = Kept(f, bad)
     return f
 
 
@@ -162,6 +189,8 @@ def run_gemm(
     state: LayerState | GemmState = NO_STATE,
     mode: ProbeMode = PROBE_OFF,
     record: bool = False,
+    casts: Casts | None = None,
+    dtypes: Dtypes | None = None,
 ) -> torch.Tensor:
     """One GEMM of the layer, operands cast as the plan says.
 
@@ -169,13 +198,18 @@ def run_gemm(
         gemm: "forward" | "dgrad" | "wgrad".
         tensors: natural 2-D operands by name: input (M,K), weight (N,K), grad_output (M,N); each cast this
             GEMM makes is added under its role name (``forward.weight``, ...), where a later GEMM's role
-            with ``source = "forward"`` reads it.
+            with ``source = "forward"`` reads it. An operand whose every role here reuses a cast may be
+            missing.
         plan: the layer's plan.
         shards: sharded dims per operand (tensor parallelism), see ``Shards``.
         state: the layer's key, probe and amax-history tensors (``nn.probe``, ``nn.delayed``); empty: global
             RNG for SR, no probes, current scaling.
         mode: what the probe records.
         record: delayed-scaled casts push their amax into the history (training; see ``nn.delayed``).
+        casts: None: cast every operand. Else earlier GEMMs' casts by role name: a role that
+            ``plan.reused_casts`` maps to one of them takes it instead of casting (its flag is the earlier
+            role's, ``probe.record_flag``), and this GEMM adds the casts a later role reuses.
+        dtypes: the natural operands' dtypes (default: from ``tensors``).
 
     Returns:
         the product (forward (M,N), dgrad (M,K), wgrad (N,K)): fp32, or bf16 where ``gemm_dtype`` says.
@@ -183,21 +217,52 @@ def run_gemm(
     state = GemmState(*state)
     op = GEMM_OPERANDS[gemm]
     sa, sb = plan.specs[op.a], plan.specs[op.b]
-    a, b = source_operand(op.a, tensors, sa), source_operand(op.b, tensors, sb)
+    dtypes = dtypes or {name: t.dtype for name, t in tensors.items()}
     ga, gb = shards.get(ROLES[op.a].operand, ()), shards.get(ROLES[op.b].operand, ())
     if plan.backend(gemm) == "real" and (sa is not None or sb is not None):
+        a, b = source_operand(op.a, tensors, sa), source_operand(op.b, tensors, sb)
         probe.record_operand(state, mode, op.a, a, sa)
         probe.record_operand(state, mode, op.b, b, sb)
         y = kernels.scaled_mm(a, sa, op.a_t, ga, b, sb, op.b_t, gb)
     else:
-        fa = cast_operand(op.a, a, sa, ga, state, mode, record)
-        fb = cast_operand(op.b, b, sb, gb, state, mode, record)
-        for i, f in ((op.a, fa), (op.b, fb)):
-            if ROLES[i].name in plan.saved_casts:  # a backward role casts this forward cast again
-                tensors[ROLES[i].name] = f.value()
-        y = product(gemm, tensors, fa, fb, sa, sb)
+        reuse = plan.reused_casts if casts is not None else {}
+        kept_for_later = set(reuse.values())
+        fs = []
+        for i, spec, groups in ((op.a, sa, ga), (op.b, sb, gb)):
+            name = ROLES[i].name
+            if name in reuse and reuse[name] in casts:
+                kept = casts[reuse[name]]
+                probe.record_flag(state, i, kept.bad)
+                fs.append(kept.cast)
+                continue
+            t = source_operand(i, tensors, spec)
+            keep = casts if name in kept_for_later else None
+            f = cast_operand(i, t, spec, groups, state, mode, record, keep)
+            if name in plan.saved_casts:  # a backward role casts this forward cast again
+                tensors[name] = f.value()
+            fs.append(f)
+        y = product(gemm, dtypes, *fs, sa, sb)
     probe.record_output(state, mode, GEMMS.index(gemm), y)
     return y
+
+
+def stored(kept: Kept, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A forward cast as the backward keeps it (``QuantMatmul``): its GEMM part in the narrowest dtype that
+    holds it exactly (the format's torch fp8 dtype for bare grid values; else bf16 where the values are
+    bf16 numbers, ``exact_in_bf16``; else fp32), its outer scale and its non-finite flag (empty tensors
+    for None)."""
+    f = kept.cast
+    fp8 = native_fp8_dtype(spec.elem, device) if f.outer is not None or spec.scaling == "none" else None
+    dtype = fp8 or (torch.bfloat16 if exact_in_bf16(spec, torch.float32) else torch.float32)
+    empty = f.inner.new_empty(0)
+    return f.inner.to(dtype), empty if f.outer is None else f.outer, empty if kept.bad is None else kept.bad
+
+
+def restored(inner: torch.Tensor, outer: torch.Tensor, bad: torch.Tensor) -> Kept:
+    """``stored``'s inverse (the GEMM part back in fp32)."""
+    return Kept(
+        Factored(inner.to(torch.float32), outer if outer.numel() else None), bad if bad.numel() else None
+    )
 
 
 class QuantMatmul(torch.autograd.Function):
@@ -222,23 +287,36 @@ class QuantMatmul(torch.autograd.Function):
         mode: ProbeMode,
         record: bool,
     ) -> torch.Tensor:
-        # x (M, K), w (N, K); saved in high precision, cast again in backward per role.
+        # x (M, K), w (N, K); saved in high precision and cast again in backward per role, except the casts
+        # a backward role reuses (plan.reused_casts; not on statistics steps, which record every role).
         ctx.plan, ctx.shards, ctx.mode, ctx.record = plan, shards, mode, record
         ctx.state = GemmState(key, stats, flags, history)
+        ctx.dtypes = {"input": x.dtype, "weight": w.dtype}
         tensors = {"input": x, "weight": w}
-        y = run_gemm("forward", tensors, plan, shards, ctx.state, mode, record)
-        ctx.save_for_backward(x, w, *(tensors[name] for name in plan.saved_casts))
+        casts = None if mode.stats else {}
+        y = run_gemm("forward", tensors, plan, shards, ctx.state, mode, record, casts)
+        ctx.carried = tuple(n for n in (casts or {}) if n in plan.reused_casts.values())
+        carried = [t for n in ctx.carried for t in stored(casts[n], plan.spec(n), x.device)]
+        needs_x = "input" not in (ROLES[i].operand for i in map(ROLE_NAMES.index, ctx.carried))
+        kept = (tensors[name] for name in plan.saved_casts)
+        ctx.save_for_backward(x if needs_x else None, w, *kept, *carried)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, w, *kept = ctx.saved_tensors
-        tensors = {"input": x, "weight": w, "grad_output": dy}  # dy (M, N)
-        tensors.update(zip(ctx.plan.saved_casts, kept, strict=True))
+        x, w, *rest = ctx.saved_tensors
+        n = len(ctx.plan.saved_casts)
+        tensors = {"weight": w, "grad_output": dy} | ({"input": x} if x is not None else {})  # dy (M, N)
+        tensors.update(zip(ctx.plan.saved_casts, rest[:n], strict=True))
+        carried = rest[n:]
+        casts = None if ctx.mode.stats else {}
+        for j, name in enumerate(ctx.carried):
+            casts[name] = restored(*carried[3 * j : 3 * j + 3])
+        dtypes = ctx.dtypes | {"grad_output": dy.dtype}
         dx = dw = None
-        args = (tensors, ctx.plan, ctx.shards, ctx.state, ctx.mode, ctx.record)
+        args = (tensors, ctx.plan, ctx.shards, ctx.state, ctx.mode, ctx.record, casts, dtypes)
         if ctx.needs_input_grad[0]:
-            dx = run_gemm("dgrad", *args).to(x.dtype)
+            dx = run_gemm("dgrad", *args).to(ctx.dtypes["input"])
         if ctx.needs_input_grad[1]:
             dw = run_gemm("wgrad", *args).to(w.dtype)
         return dx, dw, None, None, None, None, None, None, None, None

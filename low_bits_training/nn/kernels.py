@@ -91,7 +91,7 @@ def scaled_mm(
     return torch._scaled_mm(qa.contiguous(), qb, scale_a, scale_b, out_dtype=torch.float32)
 
 
-@torch.library.custom_op("lbt::mm_fp32_accumulate", mutates_args=())
+@torch.library.custom_op("lbt::mm_fp32_accumulate", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def mm_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of fp32 operands whose every value is a bf16 number: exact products, fp32 accumulation,
     fp32 result (a bf16-input, fp32-output GEMM; the emulated GEMMs' fast path, ``nn.functional``).

@@ -96,13 +96,29 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
 
 def record_operand(
     state: LayerState, mode: ProbeMode, role: int, t: torch.Tensor, spec: QuantSpec | None, q=None
-) -> None:
-    """Record one GEMM operand (the high-precision tensor ``t``, and its cast ``q`` if already made)."""
+) -> torch.Tensor | None:
+    """Record one GEMM operand (the high-precision tensor ``t``, and its cast ``q`` if already made).
+
+    Returns:
+        the non-finite flag value added to the role's slot (for ``record_flag`` of a role that reuses this
+        cast), or None when no flag is recorded.
+    """
+    bad = None
     if mode.nonfinite and state.flags is not None:
-        state.flags[role].add_(nonfinite(t))
+        bad = nonfinite(t)
+        state.flags[role].add_(bad)
     if mode.stats and spec is not None and state.stats is not None:
         raw = operand_stats(t, spec, q).to(state.stats.dtype)
         state.stats[role].copy_(combine(state.stats[role], raw))
+    return bad
+
+
+def record_flag(state: LayerState, role: int, bad: torch.Tensor | None) -> None:
+    """Record the non-finite flag of an operand whose cast is reused from an earlier role of the same tensor
+    (``LinearPlan.reused_casts``): that role's flag value ``bad`` (None: flags off). Statistics steps do not
+    reuse casts."""
+    if bad is not None and state.flags is not None:
+        state.flags[role].add_(bad)
 
 
 def record_whatif(
@@ -150,6 +166,7 @@ __all__ = [
     "new_flags",
     "new_stats",
     "nonfinite",
+    "record_flag",
     "record_operand",
     "record_output",
     "record_whatif",

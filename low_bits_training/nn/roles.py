@@ -61,6 +61,29 @@ FORWARD_SOURCES: dict[str, str] = {"dgrad.weight": "forward.weight", "wgrad.inpu
 and that cast's role."""
 
 
+REUSABLE: dict[str, str] = {"wgrad.input": "forward.input", "wgrad.grad_output": "dgrad.grad_output"}
+"""Backward roles whose cast may be an earlier GEMM's cast of the same tensor (``LinearPlan.reused_casts``),
+and that earlier role. The weight's (``dgrad.weight`` from ``forward.weight``) is not among them: keeping a
+weight cast from forward to backward would hold every layer's full (all-gathered) weight between them, where
+FSDP2 frees it after the forward."""
+
+
+def same_cast(later: QuantSpec | None, earlier: QuantSpec | None) -> bool:
+    """True when two roles of the same tensor cast it to the same values, so the later may reuse the earlier
+    cast: equal specs whose scale does not depend on the contraction dim (scaling "tensor" or "none"), with
+    deterministic rounding (stochastic rounding draws per role), no RHT (it runs along the contraction dim),
+    read from the high-precision tensor, and current scaling (delayed scaling keeps a history per role)."""
+    return (
+        later is not None
+        and later == earlier
+        and later.scaling in ("tensor", "none")
+        and later.rounding != "stochastic"
+        and not later.rht
+        and later.source == "high"
+        and not later.amax_history
+    )
+
+
 def source_key(role: Role, spec: QuantSpec | None) -> str:
     """Which tensor a role's cast reads: its natural operand, or the forward cast (a role name; the GEMMs
     keep every cast they make under its role's name)."""
@@ -168,6 +191,15 @@ class LinearPlan:
     @property
     def is_high_precision(self) -> bool:
         return all(s is None for s in self.specs)
+
+    @property
+    def reused_casts(self) -> dict[str, str]:
+        """Backward roles that reuse an earlier role's cast of the same tensor instead of casting it again
+        (``REUSABLE`` where ``same_cast``; emulated GEMMs only), mapped to that role: fp8 tensorwise casts
+        x and dY once each, as torchao does dY."""
+        if any(b != "emulate" for b in self.backends):
+            return {}
+        return {a: b for a, b in REUSABLE.items() if same_cast(self.spec(a), self.spec(b))}
 
     @property
     def saved_casts(self) -> tuple[str, ...]:

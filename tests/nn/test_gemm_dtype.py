@@ -50,9 +50,9 @@ def _operands(dtype, seed=0):
 def test_each_gemm_runs_in_the_dtype_the_rule_gives(recipe):
     plan = LinearPlan.from_recipe(recipe)
     x, w, dy = _operands(torch.bfloat16)
-    tensors = {"input": x, "weight": w, "grad_output": dy}
+    dtypes = {"input": x.dtype, "weight": w.dtype, "grad_output": dy.dtype}
     rule = tuple(
-        NAMES[gemm_dtype(g, tensors, plan.specs[op.a], plan.specs[op.b])] for g, op in GEMM_OPERANDS.items()
+        NAMES[gemm_dtype(g, dtypes, plan.specs[op.a], plan.specs[op.b])] for g, op in GEMM_OPERANDS.items()
     )
     assert rule == tuple(e[:4] for e in EXPECTED[recipe])  # "bf16>fp32" multiplies in bf16 too
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -62,7 +62,8 @@ def test_each_gemm_runs_in_the_dtype_the_rule_gives(recipe):
     assert tuple(mode.seen) == EXPECTED[recipe]  # forward, then dgrad, then wgrad
     assert y.dtype == xr.grad.dtype == wr.grad.dtype == torch.bfloat16
     x32, w32 = x.float(), w.float()  # fp32 results: the fp32 GEMM of the cast values
-    assert gemm_dtype("forward", {"input": x32, "weight": w32}, plan.specs[0], plan.specs[1]) == torch.float32
+    fp32 = {"input": torch.float32, "weight": torch.float32}
+    assert gemm_dtype("forward", fp32, plan.specs[0], plan.specs[1]) == torch.float32
     with _MatmulDtypes() as mode:
         quant_linear(x32, w32, None, plan)
     assert mode.seen == ["fp32"]
