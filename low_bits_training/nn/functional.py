@@ -19,7 +19,7 @@ from low_bits_training.formats import Factored, QuantSpec, hadamard
 from low_bits_training.formats.rounding import native_fp8_dtype
 from low_bits_training.formats.table import IntFormat, get_format
 
-from . import kernels, probe, rng
+from . import delayed, kernels, probe, rng
 from .cast import ShardGroups, cast_factored
 from .probe import NO_STATE, PROBE_OFF, LayerState, ProbeMode
 from .roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan, source_key
@@ -144,11 +144,13 @@ def source_operand(i: int, tensors: dict[str, torch.Tensor], spec, axis: int | N
 
 
 class Kept(NamedTuple):
-    """A cast that a later role of the same tensor reuses (``LinearPlan.reused_casts``), with the non-finite
-    flag value its operand recorded (None: flags off)."""
+    """A cast that a later role of the same tensor reuses (``LinearPlan.reused_casts``)."""
 
     cast: Factored
     bad: torch.Tensor | None
+    """The non-finite flag value its operand recorded (None: flags off)."""
+    amax: torch.Tensor | None = None
+    """The amax it recorded into its role's delayed-scaling history (None: none recorded)."""
 
 
 Casts = dict[str, Kept]
@@ -176,8 +178,8 @@ def cast_operand(
     bad = probe.record_operand(
         state, mode, i, t, spec, f.value() if spec is not None and mode.stats else None
     )
-    if keep is not None:
-        keep[ROLES[i].name] = Kept(f, bad)
+    if keep is not None:  # the newest history entry is the amax this cast recorded
+        keep[ROLES[i].name] = Kept(f, bad, history[:1].clone() if history is not None and record else None)
     return f
 
 
@@ -233,6 +235,8 @@ def run_gemm(
             if name in reuse and reuse[name] in casts:
                 kept = casts[reuse[name]]
                 probe.record_flag(state, i, kept.bad)
+                if kept.amax is not None:  # keep this role's history equal to the earlier role's
+                    delayed.record(state.history[i], spec, kept.amax)
                 fs.append(kept.cast)
                 continue
             t = source_operand(i, tensors, spec)
@@ -249,20 +253,23 @@ def run_gemm(
 def stored(kept: Kept, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
     """A forward cast as the backward keeps it (``QuantMatmul``): its GEMM part in the narrowest dtype that
     holds it exactly (the format's torch fp8 dtype for bare grid values; else bf16 where the values are
-    bf16 numbers, ``exact_in_bf16``; else fp32), its outer scale and its non-finite flag (empty tensors
-    for None)."""
+    bf16 numbers, ``exact_in_bf16``; else fp32), then its outer scale, non-finite flag and recorded amax
+    (empty tensors for None): ``STORED`` tensors."""
     f = kept.cast
     fp8 = native_fp8_dtype(spec.elem, device) if f.outer is not None or spec.scaling == "none" else None
     dtype = fp8 or (torch.bfloat16 if exact_in_bf16(spec, torch.float32) else torch.float32)
     empty = f.inner.new_empty(0)
-    return f.inner.to(dtype), empty if f.outer is None else f.outer, empty if kept.bad is None else kept.bad
+    return (f.inner.to(dtype), *(empty if t is None else t for t in (f.outer, kept.bad, kept.amax)))
 
 
-def restored(inner: torch.Tensor, outer: torch.Tensor, bad: torch.Tensor) -> Kept:
+STORED = 4
+"""Tensors ``stored`` gives per cast."""
+
+
+def restored(inner: torch.Tensor, outer: torch.Tensor, bad: torch.Tensor, amax: torch.Tensor) -> Kept:
     """``stored``'s inverse (the GEMM part back in fp32)."""
-    return Kept(
-        Factored(inner.to(torch.float32), outer if outer.numel() else None), bad if bad.numel() else None
-    )
+    outer, bad, amax = (t if t.numel() else None for t in (outer, bad, amax))
+    return Kept(Factored(inner.to(torch.float32), outer), bad, amax)
 
 
 class QuantMatmul(torch.autograd.Function):
@@ -311,7 +318,7 @@ class QuantMatmul(torch.autograd.Function):
         carried = rest[n:]
         casts = None if ctx.mode.stats else {}
         for j, name in enumerate(ctx.carried):
-            casts[name] = restored(*carried[3 * j : 3 * j + 3])
+            casts[name] = restored(*carried[STORED * j : STORED * (j + 1)])
         dtypes = ctx.dtypes | {"grad_output": dy.dtype}
         dx = dw = None
         args = (tensors, ctx.plan, ctx.shards, ctx.state, ctx.mode, ctx.record, casts, dtypes)

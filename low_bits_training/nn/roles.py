@@ -72,7 +72,9 @@ def same_cast(later: QuantSpec | None, earlier: QuantSpec | None) -> bool:
     """True when two roles of the same tensor cast it to the same values, so the later may reuse the earlier
     cast: equal specs whose scale does not depend on the contraction dim (scaling "tensor" or "none"), with
     deterministic rounding (stochastic rounding draws per role), no RHT (it runs along the contraction dim),
-    read from the high-precision tensor, and current scaling (delayed scaling keeps a history per role)."""
+    read from the high-precision tensor. Delayed scaling qualifies: the two roles' histories record the
+    same tensor's amax at the same points (a reuse records it into the later role's history too,
+    ``nn.functional.run_gemm``), so they hold the same entries and give the same scale."""
     return (
         later is not None
         and later == earlier
@@ -80,7 +82,6 @@ def same_cast(later: QuantSpec | None, earlier: QuantSpec | None) -> bool:
         and later.rounding != "stochastic"
         and not later.rht
         and later.source == "high"
-        and not later.amax_history
     )
 
 
@@ -195,8 +196,8 @@ class LinearPlan:
     @property
     def reused_casts(self) -> dict[str, str]:
         """Backward roles that reuse an earlier role's cast of the same tensor instead of casting it again
-        (``REUSABLE`` where ``same_cast``; emulated GEMMs only), mapped to that role: fp8 tensorwise casts
-        x and dY once each, as torchao does dY."""
+        (``REUSABLE`` where ``same_cast``; emulated GEMMs only), mapped to that role: fp8 tensorwise and
+        delayed scaling cast x and dY once each (as Transformer Engine does; torchao casts dY once)."""
         if any(b != "emulate" for b in self.backends):
             return {}
         return {a: b for a, b in REUSABLE.items() if same_cast(self.spec(a), self.spec(b))}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import functional, probe
-from low_bits_training.nn.functional import quant_linear, run_gemm
+from low_bits_training.nn import delayed, functional, probe
+from low_bits_training.nn.functional import GemmState, quant_linear, run_gemm
 from low_bits_training.nn.probe import LayerState, ProbeMode
 from low_bits_training.nn.roles import ROLE_NAMES, LinearPlan
 
@@ -28,8 +28,9 @@ def _operands(dtype, seed=0):
 
 def test_which_plans_reuse():
     assert LinearPlan.from_recipe("fp8_tensorwise").reused_casts == BOTH
-    for recipe in ("fp8_rowwise", "mxfp8", "nvfp4", "fp8_delayed", "int8", "deepseek_fp8"):
-        assert LinearPlan.from_recipe(recipe).reused_casts == {}, recipe  # axis-dependent, SR, or histories
+    assert LinearPlan.from_recipe("fp8_delayed").reused_casts == BOTH
+    for recipe in ("fp8_rowwise", "mxfp8", "nvfp4", "int8", "deepseek_fp8"):
+        assert LinearPlan.from_recipe(recipe).reused_casts == {}, recipe  # axis-dependent scales, or SR
     sr = QuantSpec.fp8_tensorwise("e5m2", rounding="stochastic")
     specs = dict(zip(ROLE_NAMES, LinearPlan.from_recipe("fp8_tensorwise").specs, strict=True))
     assert LinearPlan.from_roles(specs | {"dgrad.grad_output": sr, "wgrad.grad_output": sr}).reused_casts == {
@@ -43,11 +44,11 @@ def test_which_plans_reuse():
 
 
 def _reference(x, w, dy, plan, state=probe.NO_STATE, mode=probe.PROBE_OFF):
-    """Every role cast from its own tensor (``run_gemm`` without reuse)."""
+    """Every role cast from its own tensor (``run_gemm`` without reuse; delayed casts record)."""
     t = {"input": x, "weight": w, "grad_output": dy}
-    y = run_gemm("forward", dict(t), plan, {}, state, mode).to(x.dtype)
-    dx = run_gemm("dgrad", dict(t), plan, {}, state, mode).to(x.dtype)
-    dw = run_gemm("wgrad", dict(t), plan, {}, state, mode).to(w.dtype)
+    y = run_gemm("forward", dict(t), plan, {}, state, mode, True).to(x.dtype)
+    dx = run_gemm("dgrad", dict(t), plan, {}, state, mode, True).to(x.dtype)
+    dw = run_gemm("wgrad", dict(t), plan, {}, state, mode, True).to(w.dtype)
     return y, dx, dw
 
 
@@ -65,6 +66,29 @@ def test_reuse_is_bit_for_bit_recasting(dtype):
     for got, want in zip(_train(x, w, dy, plan), _reference(x, w, dy, plan), strict=True):
         assert got.dtype == want.dtype == dtype
         assert torch.equal(got, want)
+
+
+def test_delayed_scaling_reuses_and_keeps_every_history(monkeypatch):
+    """Three steps of growing operands: the histories (one row per role) stay what casting every role
+    records, and so do the results; a statistics step in between (no reuse) reads the same rows."""
+    plan = LinearPlan.from_recipe("fp8_delayed")
+    mine, ref = (
+        GemmState(history=delayed.new_history(plan.specs)),
+        GemmState(history=delayed.new_history(plan.specs)),
+    )
+    for step in range(4):
+        x, w, dy = (t * (1 + step) for t in _operands(torch.bfloat16, seed=step))
+        before = probe.mode()
+        probe.set_mode(ProbeMode(stats=step == 2))
+        try:
+            got = _train(x, w, dy, plan, mine)
+        finally:
+            probe.set_mode(before)
+        want = _reference(x, w, dy, plan, ref)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        assert torch.equal(mine.history, ref.history), step
+    assert torch.equal(mine.history[0], mine.history[5]) and torch.equal(mine.history[2], mine.history[4])
+    assert (mine.history[:, :4] > 0).all()
 
 
 def test_four_casts_instead_of_six(monkeypatch):
