@@ -277,7 +277,8 @@ class QuantMatmul(torch.autograd.Function):
 
     The layer's state tensors (key, statistics, flags, amax history) ride along as plain inputs and are kept
     on ``ctx`` (not saved tensors: the probes and delayed scaling update them in place, which would trip
-    autograd's version check). Forward casts a backward role reads (``LinearPlan.saved_casts``) are saved.
+    autograd's version check). Forward casts a backward role reads (``LinearPlan.saved_casts``) are saved, and
+    those a backward role reuses (``LinearPlan.reused_casts``, as ``stored`` gives them; x itself is then not).
     """
 
     @staticmethod
