@@ -206,8 +206,9 @@ def native_fp8_dtype(fmt: Format, device: torch.device, saturate: bool = True) -
     on ``device`` (nearest-even with subnormals; codes, NaN and -0 bit for bit; held to the reference and
     ml_dtypes in tests), else None. One pass each, vs ~6 for the add/sub trick. Eagerly on every device;
     under torch.compile on the CPU only, where inductor vectorizes the cast (and not the bit
-    reinterpretations of the general route), and for e4m3 only (``COMPILED_CPU_CAST_DTYPES``). Not compiled for CUDA: Triton lacks fp8 on GPUs before sm89,
-    and the general route fuses into the kernel there. ``saturate=False`` (overflow keeps the format's own
+    reinterpretations of the general route), and there for e4m3 only (``COMPILED_CPU_CAST_DTYPES``). Not
+    compiled for CUDA: Triton lacks fp8 on GPUs before sm89, and the general route fuses into the kernel
+    there. ``saturate=False`` (overflow keeps the format's own
     inf / NaN) needs a format with inf: e4m3fn turns a value past its max into NaN, so it only stands in
     for saturating casts (the caller clamps first); e5m2 overflows to inf as ours does. The one answer for
     the casts (``round_to``) and the optimizer's state codes (``optim.codec``)."""
