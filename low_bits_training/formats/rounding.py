@@ -208,10 +208,11 @@ def native_fp8_dtype(fmt: Format, device: torch.device, saturate: bool = True) -
     under torch.compile on the CPU only, where inductor vectorizes the cast (and not the bit
     reinterpretations of the general route), and there for e4m3 only (``COMPILED_CPU_CAST_DTYPES``). Not
     compiled for CUDA: Triton lacks fp8 on GPUs before sm89, and the general route fuses into the kernel
-    there. ``saturate=False`` (overflow keeps the format's own
-    inf / NaN) needs a format with inf: e4m3fn turns a value past its max into NaN, so it only stands in
-    for saturating casts (the caller clamps first); e5m2 overflows to inf as ours does. The one answer for
-    the casts (``round_to``) and the optimizer's state codes (``optim.codec``)."""
+    there. ``saturate=False`` (overflow keeps the format's own inf / NaN) needs a format with inf: e4m3fn
+    turns a value past its max into NaN, so it only stands in for saturating casts (the caller clamps
+    first); e5m2 overflows to inf as ours does. The one answer for the casts (``round_to``), the optimizer's
+    state codes (``optim.codec``) and the fp8 copies quantized layers keep for the backward
+    (``nn.functional.stored``)."""
     dtype = getattr(fmt, "torch_dtype", None)
     if not (NATIVE_FP8_CASTS and dtype in FP8_CAST_DTYPES and (saturate or fmt.has_inf)):
         return None
