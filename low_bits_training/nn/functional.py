@@ -303,7 +303,8 @@ class QuantMatmul(torch.autograd.Function):
         tensors = {"input": x, "weight": w}
         casts = None if mode.stats else {}
         y = run_gemm("forward", tensors, plan, shards, ctx.state, mode, record, casts)
-        ctx.carried = tuple(n for n in (casts or {}) if n in plan.reused_casts.values())
+        # the forward casts a backward role reuses (run_gemm keeps only those)
+        ctx.carried = tuple(casts or {})
         carried = [t for n in ctx.carried for t in stored(casts[n], plan.spec(n), x.device)]
         needs_x = "input" not in (ROLES[i].operand for i in map(ROLE_NAMES.index, ctx.carried))
         kept = (tensors[name] for name in plan.saved_casts)

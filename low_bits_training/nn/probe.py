@@ -103,10 +103,8 @@ def record_operand(
         the non-finite flag value added to the role's slot (for ``record_flag`` of a role that reuses this
         cast), or None when no flag is recorded.
     """
-    bad = None
-    if mode.nonfinite and state.flags is not None:
-        bad = nonfinite(t)
-        state.flags[role].add_(bad)
+    bad = nonfinite(t) if mode.nonfinite and state.flags is not None else None
+    record_flag(state, role, bad)
     if mode.stats and spec is not None and state.stats is not None:
         raw = operand_stats(t, spec, q).to(state.stats.dtype)
         state.stats[role].copy_(combine(state.stats[role], raw))
@@ -114,9 +112,9 @@ def record_operand(
 
 
 def record_flag(state: LayerState, role: int, bad: torch.Tensor | None) -> None:
-    """Record the non-finite flag of an operand whose cast is reused from an earlier role of the same tensor
-    (``LinearPlan.reused_casts``): that role's flag value ``bad`` (None: flags off). Statistics steps do not
-    reuse casts."""
+    """Add a non-finite flag value ``bad`` (None: flags off) to a role's slot: ``record_operand``'s, and that
+    of an operand whose cast is reused from an earlier role of the same tensor (``LinearPlan.reused_casts``;
+    statistics steps do not reuse casts)."""
     if bad is not None and state.flags is not None:
         state.flags[role].add_(bad)
 
