@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from low_bits_training.formats import Factored, QuantSpec, hadamard
 from low_bits_training.formats.rounding import native_fp8_dtype
+from low_bits_training.formats.scaling import materialize
 from low_bits_training.formats.table import IntFormat, get_format
 
 from . import delayed, kernels, probe, rng
@@ -272,6 +273,16 @@ def restored(inner: torch.Tensor, outer: torch.Tensor, bad: torch.Tensor, amax: 
     return Kept(Factored(inner.to(torch.float32), outer), bad, amax)
 
 
+def recast_under_compile(plan: LinearPlan) -> bool:
+    """True when a compiled backward must read W through an opaque copy (``formats.scaling.materialize``)
+    to cast it again as the eager backward does: its dgrad cast has the forward cast's spec, so the traced
+    casts are the same ops on the same input, which torch.compile merges into one; the partitioner then
+    keeps that cast (fp32, 4 bytes an element of every weight) from forward to backward instead of W
+    (which is alive anyway: a parameter, or FSDP2's all-gather buffer that the backward fills again)."""
+    spec = plan.spec("dgrad.weight")
+    return spec is not None and spec == plan.spec("forward.weight") and spec.source == "high"
+
+
 class QuantMatmul(torch.autograd.Function):
     """``y = x @ W^T`` with quantized forward, input-gradient and weight-gradient GEMMs.
 
@@ -314,6 +325,8 @@ class QuantMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w, *rest = ctx.saved_tensors
+        if torch.compiler.is_compiling() and recast_under_compile(ctx.plan):
+            w = materialize(w)
         n = len(ctx.plan.saved_casts)
         tensors = {"weight": w, "grad_output": dy} | ({"input": x} if x is not None else {})  # dy (M, N)
         tensors.update(zip(ctx.plan.saved_casts, rest[:n], strict=True))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from low_bits_training.config.recipes import RECIPES
-from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, probe, rng
+from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, functional, probe, rng
 
 QUANTIZED = [
     "fp8_tensorwise", "fp8_rowwise", "deepseek_fp8", "int8", "fp8_delayed",
@@ -89,3 +89,51 @@ def test_every_recipe_compiles_fullgraph_and_equals_eager():
         rng.set_step_key(None)
     assert not any(m.lbt_flags.any() for m in comp)
     assert all(m.lbt_stats[0, 0] == 256 * 256 for m in comp)  # forward.input seen once per step
+
+
+def _saved_bytes(fn, *args) -> dict[tuple, int]:
+    """Bytes autograd keeps for the backward of ``fn(*args)``, by (shape, dtype)."""
+    saved: dict[tuple, int] = {}
+
+    def pack(t):
+        key = (tuple(t.shape), t.dtype)
+        saved[key] = saved.get(key, 0) + t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args).sum().backward()
+    return saved
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "nvfp4"])
+def test_compiled_backward_keeps_the_weight_not_its_cast(recipe, monkeypatch):
+    """The forward and dgrad casts of W are the same ops here; compiled, the partitioner kept the merged cast
+    (fp32) from forward to backward instead of W (``functional.recast_under_compile``). A layer whose output
+    feeds a SiLU is the pattern where it did (every MLP's w1 / w3). Casting W again gives the same results
+    as keeping its cast."""
+    assert functional.recast_under_compile(LinearPlan.from_recipe(recipe))
+    torch.manual_seed(0)
+    x = torch.randn(128, 64, dtype=torch.bfloat16, requires_grad=True)
+    q = QuantLinear(64, 96, bias=False, plan=LinearPlan.from_recipe(recipe)).to(torch.bfloat16)
+    q.set_name("layers.0.w1")  # stochastic rounding's key
+
+    def block(x):
+        return nn.functional.silu(q(x))
+
+    def run(recast: bool):
+        torch._dynamo.reset()
+        monkeypatch.setattr(functional, "recast_under_compile", lambda plan: recast)
+        rng.set_step_key(1)
+        try:
+            saved = _saved_bytes(torch.compile(block, fullgraph=True), x)
+        finally:
+            rng.set_step_key(None)
+        grads = (x.grad, q.weight.grad)
+        x.grad = q.weight.grad = None
+        return saved, grads
+
+    _, kept = run(recast=False)
+    saved, recast = run(recast=True)
+    assert ((96, 64), torch.float32) not in saved, saved
+    assert saved.get(((96, 64), torch.bfloat16)) == 96 * 64 * 2  # W itself
+    assert all(torch.equal(a, b) for a, b in zip(kept, recast, strict=True))
