@@ -274,13 +274,15 @@ def restored(inner: torch.Tensor, outer: torch.Tensor, bad: torch.Tensor, amax: 
 
 
 def recast_under_compile(plan: LinearPlan) -> bool:
-    """True when a compiled backward must read W through an opaque copy (``formats.scaling.materialize``)
-    to cast it again as the eager backward does: its dgrad cast has the forward cast's spec, so the traced
-    casts are the same ops on the same input, which torch.compile merges into one; the partitioner then
-    keeps that cast (fp32, 4 bytes an element of every weight) from forward to backward instead of W
-    (which is alive anyway: a parameter, or FSDP2's all-gather buffer that the backward fills again)."""
+    """True when a compiled backward reads W through an opaque copy (``formats.scaling.materialize``): when it
+    casts W from W (``dgrad.weight`` quantized, read from the high-precision tensor). Otherwise the traced
+    backward cast shares its first ops with the forward's (the fp32 upcast of W; with equal specs, the whole
+    cast), torch.compile merges them, and its partitioner may keep the merged fp32 tensor from forward to
+    backward instead of W (which is alive anyway: a parameter, or FSDP2's all-gather buffer that the backward
+    fills again): 4 bytes an element of every such weight. With the copy the backward casts W again from W,
+    as the eager backward does, with the same results."""
     spec = plan.spec("dgrad.weight")
-    return spec is not None and spec == plan.spec("forward.weight") and spec.source == "high"
+    return spec is not None and spec.source == "high"
 
 
 class QuantMatmul(torch.autograd.Function):

@@ -105,12 +105,13 @@ def _saved_bytes(fn, *args) -> dict[tuple, int]:
     return saved
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "nvfp4", "int8"])
 def test_compiled_backward_keeps_the_weight_not_its_cast(recipe, monkeypatch):
-    """The forward and dgrad casts of W are the same ops here; compiled, the partitioner kept the merged cast
-    (fp32) from forward to backward instead of W (``functional.recast_under_compile``). A layer whose output
-    feeds a SiLU is the pattern where it did (every MLP's w1 / w3). Casting W again gives the same results
-    as keeping its cast."""
+    """The forward and dgrad casts of W share their ops (all of them for fp8_tensorwise's and NVFP4's equal
+    specs, the fp32 upcast for int8's rowwise casts along different dims); compiled, the partitioner kept the
+    merged fp32 tensor from forward to backward instead of W (``functional.recast_under_compile``). A layer
+    whose output feeds a SiLU is the pattern where it did (every MLP's w1 / w3). Casting W again gives the
+    same results as keeping its cast."""
     assert functional.recast_under_compile(LinearPlan.from_recipe(recipe))
     torch.manual_seed(0)
     x = torch.randn(128, 64, dtype=torch.bfloat16, requires_grad=True)
