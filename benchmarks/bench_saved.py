@@ -9,6 +9,8 @@ partitioner keeps without it (docs/precision_plan.md, "What a compiled layer kee
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_saved.py --recipes bf16 fp8_tensorwise nvfp4 int8
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_saved.py --recipes int8 --keep-merged-cast
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_saved.py --config-file train_configs/debug_moe.toml \
+        --recipes preset                      # the preset's own [quantize] (MXFP8 experts)
 
 Storages are told apart by address, so the numbers move by a MB or two between runs.
 """
@@ -27,22 +29,22 @@ STEP = 3
 """The step measured (compilation and the first delayed-scaling updates are behind it)."""
 
 
-def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str) -> dict:
+def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_file: str) -> dict:
     """Train STEP steps of ``recipe`` in this process; the saved-tensor bytes of step STEP."""
     import torch
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="localhost")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    from low_bits_training.nn import functional
+    from low_bits_training.nn import functional, grouped
     from low_bits_training.titan import cpu, launch
 
     if keep_merged:
-        functional.recast_under_compile = lambda plan: False
+        functional.recast_under_compile = grouped.recast_under_compile = lambda plan: False
     cpu.install_device_module()
     argv = [
-        "--config-file", "train_configs/debug_model.toml", "--training.local_batch_size", "4",
+        "--config-file", config_file, "--training.local_batch_size", "4",
         "--training.seq_len", "256", "--checkpoint.no-enable", "--dump_folder", dump,
-        "--metrics.no-enable-tensorboard", "--quantize.recipe", recipe, "--training.steps", str(STEP),
+        "--metrics.no-enable-tensorboard", *(["--quantize.recipe", recipe] if recipe != "preset" else []), "--training.steps", str(STEP),
         "--metrics.log_freq", "100", *(["--compile.enable"] if compiled else []),
     ]  # fmt: skip
     trainer = launch.build_config(argv).build()
@@ -78,7 +80,10 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--recipes", nargs="*", default=["bf16", "fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4", "int8"]
+        "--recipes",
+        nargs="*",
+        default=["bf16", "fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4", "int8"],
+        help="recipe names, or 'preset' for the config file's own [quantize]",
     )
     p.add_argument("--modes", nargs="*", choices=["eager", "compiled"], default=["compiled"])
     p.add_argument(
@@ -88,7 +93,12 @@ def main() -> None:
     a = p.parse_args()
     if a.one:
         with tempfile.TemporaryDirectory(prefix="bench_saved_") as dump:
-            print("RESULT " + json.dumps(measure(a.one[0], a.one[1] == "compiled", a.keep_merged_cast, dump)))
+            print(
+                "RESULT "
+                + json.dumps(
+                    measure(a.one[0], a.one[1] == "compiled", a.keep_merged_cast, dump, a.config_file)
+                )
+            )
         return
     print("| recipe | mode | distinct storages MB | sum over saves MB | largest (shape dtype: MB) |")
     print("|---|---|---:|---:|---|")

@@ -182,3 +182,37 @@ def test_stochastic_rounding_is_keyed_and_compiles():
         assert not torch.equal(step(f), eager)  # another step rounds differently
     finally:
         rng.set_step_key(None)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "mxfp8"])
+def test_compiled_backward_keeps_the_expert_weights_not_their_cast(recipe, monkeypatch):
+    """As for linear layers (tests/nn/test_compile.py): compiled, the partitioner kept the forward's fp32
+    cast (or upcast) of the stacked expert weights for the backward instead of the weights, unless the
+    backward reads them through a copy (``functional.recast_under_compile``); the results are the same."""
+    from low_bits_training.nn import grouped
+
+    x, w, _, offs = _routed([16, 48, 32, 32], 32)
+    x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    plan = plan_for(recipe)
+
+    def block(a, b):
+        return torch.nn.functional.silu(grouped_linear(a, b, offs, plan))
+
+    def run(recast: bool):
+        torch._dynamo.reset()
+        monkeypatch.setattr(grouped, "recast_under_compile", lambda plan: recast)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append((t.numel(), t.dtype)) or t, lambda t: t
+        ):
+            torch.compile(block, fullgraph=True)(x, w).sum().backward()
+        grads = (x.grad, w.grad)
+        x.grad = w.grad = None
+        return saved, grads
+
+    assert grouped.recast_under_compile(plan)
+    _, kept = run(recast=False)
+    saved, recast = run(recast=True)
+    assert (w.numel(), torch.float32) not in saved, saved
+    assert (w.numel(), torch.bfloat16) in saved  # the weights themselves
+    assert all(torch.equal(a, b) for a, b in zip(kept, recast, strict=True))
