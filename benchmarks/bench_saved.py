@@ -86,6 +86,7 @@ def main() -> None:
         help="recipe names, or 'preset' for the config file's own [quantize]",
     )
     p.add_argument("--modes", nargs="*", choices=["eager", "compiled"], default=["compiled"])
+    p.add_argument("--config-file", default="train_configs/debug_model.toml")
     p.add_argument(
         "--keep-merged-cast", action="store_true", help="compiled backward without the fresh W cast"
     )
@@ -110,10 +111,15 @@ def main() -> None:
                 "--one",
                 recipe,
                 mode,
+                "--config-file",
+                a.config_file,
                 *(["--keep-merged-cast"] * a.keep_merged_cast),
             ]
             run = subprocess.run(
-                cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__))
+                cmd,
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             )
             line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
