@@ -35,17 +35,18 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="localhost")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    from low_bits_training.nn import functional, grouped
+    from low_bits_training.nn import functional
     from low_bits_training.titan import cpu, launch
 
     if keep_merged:
-        functional.recast_under_compile = grouped.recast_under_compile = lambda plan: False
+        functional.recast_under_compile = lambda plan: False
     cpu.install_device_module()
     argv = [
         "--config-file", config_file, "--training.local_batch_size", "4",
         "--training.seq_len", "256", "--checkpoint.no-enable", "--dump_folder", dump,
-        "--metrics.no-enable-tensorboard", *(["--quantize.recipe", recipe] if recipe != "preset" else []), "--training.steps", str(STEP),
-        "--metrics.log_freq", "100", *(["--compile.enable"] if compiled else []),
+        "--metrics.no-enable-tensorboard", "--training.steps", str(STEP), "--metrics.log_freq", "100",
+        *(["--quantize.recipe", recipe] if recipe != "preset" else []),
+        *(["--compile.enable"] if compiled else []),
     ]  # fmt: skip
     trainer = launch.build_config(argv).build()
     step, result = trainer.train_step, {}

@@ -285,6 +285,12 @@ def recast_under_compile(plan: LinearPlan) -> bool:
     return spec is not None and spec.source == "high"
 
 
+def backward_weight(w: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+    """W as a backward casts it: through ``materialize`` while compiling where ``recast_under_compile``, else
+    W itself (linear layers and the grouped experts)."""
+    return materialize(w) if torch.compiler.is_compiling() and recast_under_compile(plan) else w
+
+
 class QuantMatmul(torch.autograd.Function):
     """``y = x @ W^T`` with quantized forward, input-gradient and weight-gradient GEMMs.
 
@@ -327,8 +333,7 @@ class QuantMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w, *rest = ctx.saved_tensors
-        if torch.compiler.is_compiling() and recast_under_compile(ctx.plan):
-            w = materialize(w)
+        w = backward_weight(w, ctx.plan)
         n = len(ctx.plan.saved_casts)
         tensors = {"weight": w, "grad_output": dy} | ({"input": x} if x is not None else {})  # dy (M, N)
         tensors.update(zip(ctx.plan.saved_casts, rest[:n], strict=True))

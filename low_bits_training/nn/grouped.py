@@ -32,11 +32,10 @@ from low_bits_training.formats import (
     round_to,
     scale_from_amax,
 )
-from low_bits_training.formats.scaling import materialize
 
 from . import probe, rng
 from .cast import check_fits
-from .functional import GEMM_OPERANDS, recast_under_compile
+from .functional import GEMM_OPERANDS, backward_weight
 from .linear import register_state_buffers
 from .probe import LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan
@@ -254,8 +253,7 @@ class GroupedQuantMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        if torch.compiler.is_compiling() and recast_under_compile(ctx.plan):
-            w = materialize(w)
+        w = backward_weight(w, ctx.plan)
         groups = Groups(offs, x.shape[0], w.shape)
         tensors = {"input": x, "weight": w.reshape(-1, w.shape[-1]), "grad_output": dy}  # dy (R, N)
         args = (tensors, ctx.plan, groups, ctx.state, ctx.mode)

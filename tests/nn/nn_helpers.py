@@ -38,3 +38,17 @@ def operands(m: int = 256, k: int = 256, n: int = 384, dtype=torch.float32, seed
     w = torch.randn(n, k, generator=g) / k**0.5
     dy = torch.randn(m, n, generator=g) * 1e-3
     return x.to(dtype), w.to(dtype), dy.to(dtype)
+
+
+def saved_bytes(fn, *args) -> dict[tuple, int]:
+    """Bytes autograd keeps for the backward of ``fn(*args)`` (then run on its sum), by (shape, dtype)."""
+    saved: dict[tuple, int] = {}
+
+    def pack(t):
+        key = (tuple(t.shape), t.dtype)
+        saved[key] = saved.get(key, 0) + t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args).sum().backward()
+    return saved

@@ -9,6 +9,7 @@ fails that test until it joins the set; tests/nn/test_operand_options.py compile
 
 import pytest
 import torch
+from nn_helpers import saved_bytes
 from torch import nn
 
 from low_bits_training.config.recipes import RECIPES
@@ -91,20 +92,6 @@ def test_every_recipe_compiles_fullgraph_and_equals_eager():
     assert all(m.lbt_stats[0, 0] == 256 * 256 for m in comp)  # forward.input seen once per step
 
 
-def _saved_bytes(fn, *args) -> dict[tuple, int]:
-    """Bytes autograd keeps for the backward of ``fn(*args)``, by (shape, dtype)."""
-    saved: dict[tuple, int] = {}
-
-    def pack(t):
-        key = (tuple(t.shape), t.dtype)
-        saved[key] = saved.get(key, 0) + t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args).sum().backward()
-    return saved
-
-
 @pytest.mark.parametrize("recipe", ["fp8_tensorwise", "nvfp4", "int8"])
 def test_compiled_backward_keeps_the_weight_not_its_cast(recipe, monkeypatch):
     """The forward and dgrad casts of W share their ops (all of them for fp8_tensorwise's and NVFP4's equal
@@ -126,7 +113,7 @@ def test_compiled_backward_keeps_the_weight_not_its_cast(recipe, monkeypatch):
         monkeypatch.setattr(functional, "recast_under_compile", lambda plan: recast)
         rng.set_step_key(1)
         try:
-            saved = _saved_bytes(torch.compile(block, fullgraph=True), x)
+            saved = saved_bytes(torch.compile(block, fullgraph=True), x)
         finally:
             rng.set_step_key(None)
         grads = (x.grad, q.weight.grad)

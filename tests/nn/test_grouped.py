@@ -1,14 +1,15 @@
 """The grouped expert GEMM: each expert exactly as a linear layer under the same plan, per expert group."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
-from nn_helpers import plan_for, sqnr_db
+from nn_helpers import plan_for, saved_bytes, sqnr_db
 
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import LinearPlan, rng
+from low_bits_training.nn import LinearPlan, functional, rng
 from low_bits_training.nn.cast import cast
 from low_bits_training.nn.functional import run_gemm
 from low_bits_training.nn.grouped import Groups, group_cast, grouped_linear, pad_multiple, run_grouped_gemm
@@ -189,8 +190,6 @@ def test_compiled_backward_keeps_the_expert_weights_not_their_cast(recipe, monke
     """As for linear layers (tests/nn/test_compile.py): compiled, the partitioner kept the forward's fp32
     cast (or upcast) of the stacked expert weights for the backward instead of the weights, unless the
     backward reads them through a copy (``functional.recast_under_compile``); the results are the same."""
-    from low_bits_training.nn import grouped
-
     x, w, _, offs = _routed([16, 48, 32, 32], 32)
     x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
     plan = plan_for(recipe)
@@ -200,17 +199,13 @@ def test_compiled_backward_keeps_the_expert_weights_not_their_cast(recipe, monke
 
     def run(recast: bool):
         torch._dynamo.reset()
-        monkeypatch.setattr(grouped, "recast_under_compile", lambda plan: recast)
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append((t.numel(), t.dtype)) or t, lambda t: t
-        ):
-            torch.compile(block, fullgraph=True)(x, w).sum().backward()
+        monkeypatch.setattr(functional, "recast_under_compile", lambda plan: recast)
+        saved = saved_bytes(torch.compile(block, fullgraph=True), x, w)
         grads = (x.grad, w.grad)
         x.grad = w.grad = None
-        return saved, grads
+        return {(math.prod(shape), dtype) for shape, dtype in saved}, grads
 
-    assert grouped.recast_under_compile(plan)
+    assert functional.recast_under_compile(plan)
     _, kept = run(recast=False)
     saved, recast = run(recast=True)
     assert (w.numel(), torch.float32) not in saved, saved
