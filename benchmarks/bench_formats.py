@@ -26,6 +26,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-
 import torch  # noqa: E402
 
 from low_bits_training.formats import QuantSpec, fake_quantize  # noqa: E402
+from low_bits_training.nn.kernels import machine_line  # noqa: E402
 
 
 def _ao_float8(dtype: torch.dtype, rowwise: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -130,7 +131,8 @@ def main() -> None:
     nbytes = x.numel() * x.element_size()
     floor = timeit(lambda: x.clone(), args.reps * 2)
     print(f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, input {tuple(x.shape)} {args.dtype} "
+    print(machine_line())
+    print(f"input {tuple(x.shape)} {args.dtype} "
           f"({nbytes / 2**20:.0f} MiB); clone (memory floor) {floor * 1e3:.1f} ms = {nbytes / floor / 1e9:.2f} GB/s")  # fmt: skip
     print("\ncells: time / input GB/s (x the clone time)\n")
     print("| case | spec | ours eager | ours compiled | torchao eager | torchao compiled |")

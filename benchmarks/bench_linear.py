@@ -18,6 +18,7 @@ from torch import nn
 
 from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.nn import LinearPlan, QuantLinear
+from low_bits_training.nn.kernels import machine_line
 
 
 def _time(mod: nn.Module, x: torch.Tensor, iters: int) -> float:
@@ -65,7 +66,7 @@ def main() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=False)
     x = torch.randn(m, k)
-    print(f"weight {n}x{k}, {m} tokens, fp32, {torch.get_num_threads()} threads, median of {args.iters}\n")
+    print(f"{machine_line()}\nweight {n}x{k}, {m} tokens, fp32, median of {args.iters}\n")
     print("| recipe | module | ms fwd+bwd | x fp32 |\n|---|---|---:|---:|")
     base = None
     for name, recipe, make in candidates(lin):

@@ -26,6 +26,7 @@ from pathlib import Path
 from low_bits_training.cli.runner import REPO, run_local
 from low_bits_training.config.recipes import RECIPES
 from low_bits_training.config.runfolder import read_metrics
+from low_bits_training.nn.kernels import machine_line
 
 AIMS = {"fp8": 1.15, "mx": 1.3, "nvfp4": 1.4}
 """Issue 11's aims for the compiled step time relative to compiled bf16, by recipe family."""
@@ -127,7 +128,7 @@ def main() -> int:
     results = {k: summary(v) for k, v in runs.items()}
     print(
         f"\ndebug model, 1 CPU rank, batch 4 x 256, {a.steps} steps (median after {a.skip}), "
-        f"{a.repeats} run(s) per case (median; range in brackets); runs in {out}\n"
+        f"{a.repeats} run(s) per case (median; range in brackets); runs in {out}\n{machine_line()}\n"
     )
     print(table(results, cases, a.modes))
     return 0

@@ -91,9 +91,9 @@ def gemm_dtype(gemm: str, dtypes: Dtypes, sa: QuantSpec | None, sb: QuantSpec | 
     in-block scales), fp32 accumulation, the scales that factor out of the sums (``Factored.outer``: fp8
     tensorwise's, NVFP4's tensor scale) applied to the fp32 result as a scaled GEMM's epilogue does, and one
     rounding to bf16. Against an fp32 GEMM of the cast values it differs in accumulation order and, with
-    outer scales, where they round. It runs 3-6x faster on CPUs with bf16 matrix units (AMX,
-    AVX512-BF16): a bf16 GEMM with a bf16 result where no outer scale follows, else a bf16-input GEMM that
-    accumulates into fp32 (``kernels.mm_fp32_accumulate``). fp32 results (fp32 activations) keep the fp32
+    outer scales, where they round. It runs 3-6x faster on CPUs with AMX (``kernels.cpu_bf16_gemm``): a
+    bf16 GEMM with a bf16 result where no outer scale follows, else a bf16-input GEMM that accumulates into
+    fp32 (``kernels.mm_fp32_accumulate``; without AMX oneDNN's fp32 kernel, and the bf16 GEMM slower than it). fp32 results (fp32 activations) keep the fp32
     GEMM of the cast values, which torchao's emulated modules also run (bit for bit with them).
     """
     out = dtypes[GEMM_OUTPUT[gemm]]

@@ -98,3 +98,16 @@ def test_bf16_gemm_is_the_exact_product_rounded_once(recipe):
 
     ref = exact(x, plan.specs[0]) @ exact(w, plan.specs[1]).t()
     assert ((y - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "expected"),
+    [(True, True, "amx"), (False, True, "avx512_bf16"), (False, False, "none")],
+)
+def test_cpu_bf16_gemm_names_the_units_the_cpu_reports(monkeypatch, amx, avx512_bf16, expected):
+    from low_bits_training.nn import kernels
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    assert kernels.cpu_bf16_gemm() == expected
+    assert f"bf16 GEMM units: {expected}," in kernels.machine_line()
