@@ -206,7 +206,8 @@ def native_fp8_dtype(fmt: Format, device: torch.device, saturate: bool = True) -
     on ``device`` (nearest-even with subnormals; codes, NaN and -0 bit for bit; held to the reference and
     ml_dtypes in tests), else None. One pass each, vs ~6 for the add/sub trick. Eagerly on every device;
     under torch.compile on the CPU only, where inductor vectorizes the cast (and not the bit
-    reinterpretations of the general route), and there for e4m3 only (``COMPILED_CPU_CAST_DTYPES``). Not
+    reinterpretations of the general route), and there for e4m3 only (``COMPILED_CPU_CAST_DTYPES``; which
+    roundings take the round trip through the dtype: ``rounds_by_cast``). Not
     compiled for CUDA: Triton lacks fp8 on GPUs before sm89, and the general route fuses into the kernel
     there. ``saturate=False`` (overflow keeps the format's own inf / NaN) needs a format with inf: e4m3fn
     turns a value past its max into NaN, so it only stands in for saturating casts (the caller clamps
@@ -219,6 +220,24 @@ def native_fp8_dtype(fmt: Format, device: torch.device, saturate: bool = True) -
     if compiling_for_cpu(device):
         return dtype if dtype in COMPILED_CPU_CAST_DTYPES else None
     return None if torch.compiler.is_compiling() else dtype
+
+
+EAGER_CPU_ROUND_TRIP_DTYPES = (torch.float8_e5m2,)
+"""The fp8 dtypes whose round trip (cast to fp8 and back to fp32) rounds eager CPU tensors
+(``round_magnitude``). torch 2.14's CPU kernel converts e4m3 back to fp32 one element at a time (2.2 ms for
+1024 x 768 against 0.3 ms for the cast to e4m3; e5m2 goes back through fp16's vector conversion, 0.3 ms), so
+eager e4m3 takes the add/sub trick (0.7 ms for the whole rounding). Compiled, inductor converts both ways
+in vector registers and e4m3 keeps the cast (``COMPILED_CPU_CAST_DTYPES``)."""
+
+
+def rounds_by_cast(fmt: Format, device: torch.device, saturate: bool = True) -> bool:
+    """True when ``round_magnitude`` rounds to ``fmt`` by a round trip through its torch fp8 dtype
+    (``native_fp8_dtype``), except eagerly on the CPU for the dtypes whose way back is slow there
+    (``EAGER_CPU_ROUND_TRIP_DTYPES``). The values are the same either way (tested)."""
+    dtype = native_fp8_dtype(fmt, device, saturate)
+    if dtype is None or torch.compiler.is_compiling() or device.type != "cpu":
+        return dtype is not None
+    return dtype in EAGER_CPU_ROUND_TRIP_DTYPES
 
 
 def threshold_format(fmt: Format) -> bool:
@@ -274,7 +293,7 @@ def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool,
     """Round fp32 magnitudes a >= 0 onto fmt's grid and apply the overflow rule (a may be overwritten)."""
     if isinstance(fmt, IntFormat):
         y = _round_int(a, rounding, generator)
-    elif rounding == "nearest" and FAST_PATHS and native_fp8_dtype(fmt, a.device, saturate) is not None:
+    elif rounding == "nearest" and FAST_PATHS and rounds_by_cast(fmt, a.device, saturate):
         y = a.to(fmt.torch_dtype).to(torch.float32)
     elif rounding == "nearest" and FAST_PATHS and binade_format(fmt) and compiling_for_cpu(a.device):
         y = _rne_binades(a, fmt)

@@ -40,10 +40,12 @@ def _ref(x: torch.Tensor, name: str, rounding: str, saturate: bool) -> torch.Ten
 
 @pytest.fixture(params=["fast", "no-native-fp8", "generic"])
 def impl(request, monkeypatch):
-    """Run a test on the fast paths (eager: torch's fp8 casts where they apply), on the fast paths without
-    the casts (the add/sub trick that compiled code uses), and on the generic exponent-based path."""
+    """Run a test on the fast paths with the round trip through torch's fp8 casts for both fp8 dtypes (what
+    compiled CPU code and CUDA run for e4m3; eager CPU code for e5m2), on the fast paths without the casts
+    (the add/sub trick: eager CPU e4m3, compiled CPU e5m2), and on the generic exponent-based path."""
     monkeypatch.setattr(rounding_mod, "FAST_PATHS", request.param != "generic")
     monkeypatch.setattr(rounding_mod, "NATIVE_FP8_CASTS", request.param == "fast")
+    monkeypatch.setattr(rounding_mod, "EAGER_CPU_ROUND_TRIP_DTYPES", rounding_mod.FP8_CAST_DTYPES)
     return request.param
 
 
