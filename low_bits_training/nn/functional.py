@@ -93,8 +93,9 @@ def gemm_dtype(gemm: str, dtypes: Dtypes, sa: QuantSpec | None, sb: QuantSpec | 
     rounding to bf16. Against an fp32 GEMM of the cast values it differs in accumulation order and, with
     outer scales, where they round. It runs 3-6x faster on CPUs with AMX (``kernels.cpu_bf16_gemm``): a
     bf16 GEMM with a bf16 result where no outer scale follows, else a bf16-input GEMM that accumulates into
-    fp32 (``kernels.mm_fp32_accumulate``; without AMX oneDNN's fp32 kernel, and the bf16 GEMM slower than it). fp32 results (fp32 activations) keep the fp32
-    GEMM of the cast values, which torchao's emulated modules also run (bit for bit with them).
+    fp32 (``kernels.mm_fp32_accumulate``; without AMX oneDNN's fp32 kernel, and the bf16 GEMM slower than
+    it). fp32 results (fp32 activations) keep the fp32 GEMM of the cast values, which torchao's emulated
+    modules also run (bit for bit with them).
     """
     out = dtypes[GEMM_OUTPUT[gemm]]
     op = GEMM_OPERANDS[gemm]

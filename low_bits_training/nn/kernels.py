@@ -100,8 +100,8 @@ def mm_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     = "bf16"``, set for this call only): on CPUs with AMX (``cpu_bf16_gemm``) a bf16 kernel, 3-5x faster
     than the fp32 GEMM, and exact here because rounding a bf16 number to bf16 changes nothing. Without AMX
     oneDNN runs its fp32 kernel (the same products and sums, in another order; measured on an AVX512-BF16
-    Xeon without AMX). Elsewhere a plain fp32 GEMM (TF32, if enabled, keeps bf16 numbers exact too). An opaque op to torch.compile, so compiled and eager runs call
-    the same kernel. The setting is process-wide for the call's duration: an fp32 GEMM another thread ran
+    Xeon without AMX). Elsewhere a plain fp32 GEMM (TF32, if enabled, keeps bf16 numbers exact too). An
+    opaque op to torch.compile, so compiled and eager runs call the same kernel. The setting is process-wide for the call's duration: an fp32 GEMM another thread ran
     in that window would take bf16 inputs too (training runs its GEMMs on one thread per rank).
     """
     if a.device.type != "cpu":
