@@ -10,8 +10,9 @@ Markov corpus; runs of one seed share the initialisation and the batches, so the
     .venv/bin/python benchmarks/nvfp4_ablation.py --collect                            # table + plot only
     .venv/bin/python benchmarks/nvfp4_ablation.py --steps 20 --seeds 0 --recipes bf16,nvfp4   # a smoke run
 
-Writes ``<out>/summary.md``, ``summary.csv`` and the plot (default ``docs/img/nvfp4_ablation.png``); prints
-the table. "gap" columns: recipe loss - bf16 loss of the same seed, at the last step and averaged over the
+Writes ``<out>/summary.md``, ``summary.csv`` and the plot (``<out>/nvfp4_ablation.png`` unless ``--plot``
+names another file: ``--plot docs/img/nvfp4_ablation.png`` refreshes the committed figure on purpose); prints
+the table. With no finished run it says so and writes nothing (exit code 1). "gap" columns: recipe loss - bf16 loss of the same seed, at the last step and averaged over the
 last ``--window`` steps (one step's loss is one batch's; the window average is the steadier number).
 """
 
@@ -180,7 +181,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (threads: cores / jobs each)")
     p.add_argument("--window", type=int, default=40, help="steps averaged for the gap column and the plot")
     p.add_argument("--out", default="outputs/sweeps/nvfp4_ablation", help="run folders and the tables")
-    p.add_argument("--plot", default=str(runner.REPO / "docs" / "img" / "nvfp4_ablation.png"))
+    p.add_argument("--plot", help="the plot's file (default: <out>/nvfp4_ablation.png)")
     p.add_argument("--collect", action="store_true", help="do not train: table and plot of existing runs")
     a = p.parse_args(argv)
     if "bf16" not in a.recipes:
@@ -191,7 +192,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     grid, out = make_grid(a), Path(a.out)
+    plot_path = Path(a.plot) if a.plot else out / "nvfp4_ablation.png"
     failed = 0 if a.collect else run_all(grid, out, a.jobs, a.steps)
+    if not losses(grid, out, a.steps):  # an empty table and plot would replace a real one for nothing
+        print(f"nvfp4_ablation: no run under {out} reached step {a.steps}: nothing to tabulate or plot",
+              file=sys.stderr)  # fmt: skip
+        return 1
     cells = table(grid, out, a.window, a.steps)
     header = tuple(h.format(window=a.window) for h in HEADER)
     md = markdown(cells, header)
@@ -200,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"{a.base}, {a.steps} steps, batch {a.batch} x {a.seq_len}, seeds {a.seeds}, {mode}"
     (out / "summary.md").write_text(f"# NVFP4 ablation ({shape})\n\n{md}")
     write_csv(out / "summary.csv", cells, header)
-    plot(grid, out, Path(a.plot), a.window, a.steps)
+    plot(grid, out, plot_path, a.window, a.steps)
     print(f"{shape}; gap = recipe - bf16 (same seed), mean ± std over seeds\n\n{md}")
-    print(f"table: {out / 'summary.md'} ({out / 'summary.csv'}), plot: {a.plot}")
+    print(f"table: {out / 'summary.md'} ({out / 'summary.csv'}), plot: {plot_path}")
     return 1 if failed else 0
 
 
