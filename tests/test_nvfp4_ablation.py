@@ -28,7 +28,9 @@ def _digest(path):
 
 def _fake_run(folder, losses):
     folder.mkdir(parents=True)
-    rows = [{"step": s, "loss_metrics/global_avg_loss": v, "throughput(tps)": 100.0} for s, v in losses.items()]
+    rows = [
+        {"step": s, "loss_metrics/global_avg_loss": v, "throughput(tps)": 100.0} for s, v in losses.items()
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 

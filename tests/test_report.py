@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_report_from_two_real_runs(tmp_path):
     assert [re.findall(r"<td>(.*?)</td>", c)[0] for c in cells] == names
     for run, cell in zip(runs, cells, strict=True):
         values = re.findall(r"<td>(.*?)</td>", cell)
-        assert values[1] == "2" and float(values[2]) == pytest.approx(run.losses[2], rel=1e-3)
+        assert values[1] == "2/2" and float(values[2]) == pytest.approx(run.losses[2], rel=1e-3)
 
 
 def test_report_missing_folder_is_one_line(tmp_path):
@@ -95,3 +96,53 @@ def test_whatif_rows_get_their_own_table_and_stay_out_of_the_heatmaps(tmp_path):
     assert re.findall(r"<td>(.*?)</td>", re.findall(r"<tr>(.*?)</tr>", table)[1]) == [
         "mxfp4", "forward.input", "s", "2", "0.2", "0", "7.5", "b"
     ]  # fmt: skip
+
+
+def _metrics(folder, rows, steps=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if steps is not None:
+        (folder / "config.json").write_text(json.dumps({"training": {"steps": steps}}))
+
+
+def _row(step, loss, tps, first=None):
+    row = {"step": step, "loss_metrics/global_avg_loss": loss, "throughput(tps)": tps}
+    return row if first is None else {**row, "lbt/first_log_of_start": first}
+
+
+def test_final_is_the_last_step_and_throughput_leaves_out_each_start(tmp_path):
+    from low_bits_training.report.runs import load_run
+
+    # 6 steps, log_freq 5 (the writer adds the last step), killed after step 5, resumed from step 4 (redoes 5)
+    rows = [_row(1, 8.0, 150.0, True), _row(5, 6.0, 2000.0, False), _row(5, 6.1, 170.0, True),
+            _row(6, 5.5, 2100.0, False)]  # fmt: skip
+    _metrics(tmp_path / "run", rows, steps=6)
+    run = load_run(tmp_path / "run")
+    assert (run.last_step, run.total_steps, run.final_loss) == (6, 6, 5.5)
+    assert run.tps == 2100.0  # the resumed start's step 5 (170 tok/s) replaced the first start's; left out
+    assert run.summary()["final_step"] == "6/6"
+    _metrics(tmp_path / "short", [_row(1, 8.0, 150.0, True)], steps=4)
+    short = load_run(tmp_path / "short")
+    assert math.isnan(short.tps) and short.summary()["final_step"] == "1/4"  # no warm-up tok/s, cut short
+    _metrics(tmp_path / "old", [_row(1, 8.0, 150.0), _row(2, 7.0, 1900.0), _row(3, 6.9, 2100.0)])
+    old = load_run(tmp_path / "old")  # written before the first-row flag: the first row is the warm-up
+    assert (old.tps, old.final_loss, old.summary()["final_step"]) == (2000.0, 6.9, "3")
+
+
+def test_step_cell():
+    from low_bits_training.report.runs import step_cell
+
+    assert step_cell([12], 12) == "12/12" and step_cell([10, 12, 12], 12) == "10-12/12"
+    assert step_cell([12], None) == "12" and step_cell([], 12) == "-"
+
+
+def test_report_table_says_which_step_the_final_loss_is_from(tmp_path):
+    from low_bits_training.report.build import build_report
+
+    _metrics(tmp_path / "a", [_row(1, 8.0, 150.0, True), _row(5, 6.0, 2000.0, False), _row(6, 5.5, 2100.0, False)],
+             steps=6)  # fmt: skip
+    page = build_report([tmp_path / "a"], tmp_path / "out").read_text()
+    table = re.search(r'<table id="numbers">(.*?)</table>', page).group(1)
+    head, row = re.findall(r"<tr>(.*?)</tr>", table)
+    cells = dict(zip(re.findall(r"<th>(.*?)</th>", head), re.findall(r"<td>(.*?)</td>", row), strict=True))
+    assert (cells["final step"], cells["final loss"], cells["median tok/s/proc"]) == ("6/6", "5.5", "2050")

@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 
 from low_bits_training.cli.grid import NPROC, Grid, parse_value
-from low_bits_training.cli.summary import RunStats, markdown, run_stats, write_csv
+from low_bits_training.cli.summary import RunStats, final_step, markdown, run_stats, write_csv
 from low_bits_training.cli.sweep import run_points
 
 SUPERLINEAR = 1.2  # efficiency above this is a measurement problem, not a speedup
-HEADER = ("processes", "tok/s/proc", "tok/s total", "speedup", "efficiency", "final loss", "peak GiB/proc")
+HEADER = (
+    "processes", "tok/s/proc", "tok/s total", "speedup", "efficiency", "final step", "final loss", "peak GiB/proc",
+)  # fmt: skip
 
 
 def scaling_cells(stats: dict[int, RunStats | None]) -> list[tuple[str, ...]]:
@@ -30,7 +32,7 @@ def scaling_cells(stats: dict[int, RunStats | None]) -> list[tuple[str, ...]]:
     cells = []
     for n, s in sorted(stats.items()):
         if n not in done:
-            cells.append((str(n), "-", "-", "-", "-", "-", "-"))
+            cells.append((str(n), *("-" for _ in HEADER[1:])))
             continue
         total = s.tps * n
         speedup = total / (ref[1].tps * ref[0])
@@ -41,6 +43,7 @@ def scaling_cells(stats: dict[int, RunStats | None]) -> list[tuple[str, ...]]:
                 f"{total:.0f}",
                 f"{speedup:.2f}x",
                 f"{speedup / (n / ref[0]):.0%}",
+                final_step([s]),
                 f"{s.final:.4f}",
                 f"{s.peak_gib:.2f}",
             )

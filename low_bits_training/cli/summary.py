@@ -11,18 +11,21 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class RunStats:
-    """One run's summary, as every table shows it (read by ``report.runs``, the one run-folder reader)."""
+    """One run's summary, as every table shows it, read by ``report.runs`` (the one run-folder reader, where
+    "final" and throughput are defined)."""
 
     losses: dict[int, float]
     """Step -> loss."""
     tps: float
-    """Tokens/s per process: the median over logged steps after the first (``RunData.tps``)."""
+    """Tokens/s per process (``RunData.tps``: median, each start's first row left out; NaN: not measured)."""
     peak_gib: float
     """Peak memory (GiB; on CPU the process's peak RSS)."""
-
-    @property
-    def final(self) -> float:
-        return self.losses[max(self.losses)] if self.losses else math.nan
+    final: float = math.nan
+    """The loss at ``last_step`` (``RunData.final_loss``)."""
+    last_step: int = 0
+    """The step ``final`` is from (``RunData.last_step``)."""
+    total_steps: int | None = None
+    """``training.steps`` of the run (None: unknown)."""
 
     @property
     def best(self) -> float:
@@ -36,7 +39,15 @@ def run_stats(folder: str | Path) -> RunStats | None:
     if not has_metrics(folder):
         return None
     run = load_run(folder)
-    return RunStats(run.losses, run.tps, run.peak_memory_gib)
+    return RunStats(run.losses, run.tps, run.peak_memory_gib, run.final_loss, run.last_step, run.total_steps)
+
+
+def final_step(stats: list[RunStats]) -> str:
+    """The "final step" cell of runs pooled in one row (``report.runs.step_cell``: ``12/12``, ``10-12/12``)."""
+    from low_bits_training.report.runs import step_cell
+
+    totals = {s.total_steps for s in stats}
+    return step_cell([s.last_step for s in stats], totals.pop() if len(totals) == 1 else None)
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -80,6 +91,7 @@ HEADER = (
     "config",
     "nproc",
     "runs",
+    "final step",
     "final loss",
     "best loss",
     "Δ final vs baseline",
@@ -104,6 +116,7 @@ def table_rows(rows: list[Row], baseline: Row) -> list[tuple[str, ...]]:
                 label,
                 str(r.nproc),
                 f"{len(done)}/{len(r.seeds)}",
+                final_step(done),
                 _fmt(*fin),
                 _fmt(*best),
                 _fmt(*d) if done else "-",

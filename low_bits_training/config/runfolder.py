@@ -29,6 +29,10 @@ TPS = "throughput(tps)"
 """Tokens/s per process in ``metrics.jsonl``."""
 MEMORY = ("memory/max_reserved(GiB)", "memory/max_active(GiB)")
 """Peak memory keys, preferred first (on CPU both are the process's peak resident set)."""
+FIRST_LOG = "lbt/first_log_of_start"
+"""True on the first training row a process writes (fresh or resumed), False on the others: that row's
+throughput window holds the start-up (model build, compilation, checkpoint load), so throughput leaves it out
+(``report.runs.RunData.tps``). Runs written before the key existed: the first training row is that row."""
 
 
 def _row(line: str) -> dict[str, Any] | None:
@@ -77,3 +81,20 @@ def read_metrics(folder: str | os.PathLike) -> list[dict[str, Any]]:
     for row in read_jsonl(Path(folder) / METRICS_FILE):
         by_step.setdefault(row["step"], {}).update(row)
     return [by_step[s] for s in sorted(by_step)]
+
+
+PLAN_TEXT = "precision_plan.txt"
+"""The plan table of the run (one per phase with a schedule), as logged at the start (``titan/targets.py``)."""
+PLAN_JSON = "precision_plan.json"
+"""The plan of step 1, one object per entry (``config.plan_table.plan_to_json``)."""
+SCHEDULE_JSON = "precision_schedule.json"
+"""Every phase's plan with its first and last step; written only for a run with a schedule."""
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader (or a killed writer) never
+    sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

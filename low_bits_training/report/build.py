@@ -13,7 +13,7 @@ from .runs import RunData, load_run, whatif_summary
 
 COLUMNS = (
     ("run", "run"),
-    ("steps", "steps"),
+    ("final_step", "final step"),  # the step the final loss is from / training.steps (runs.step_cell)
     ("final_loss", "final loss"),
     ("median_tps", "median tok/s/proc"),
     ("peak_memory_gib", "peak memory (GiB)"),

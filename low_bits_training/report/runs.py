@@ -1,9 +1,15 @@
 """The one reader of run folders, for ``lbt-report``, ``lbt-sweep`` and ``lbt-scaling``: ``metrics.jsonl``
 (loss, throughput, memory) and ``numerics.jsonl`` (statistics), and the numbers every table shows.
 
-Throughput is the **median** tokens/s per process over the logged steps after the first (the first holds
-warm-up and compilation; the median shrugs off steps slowed by other jobs on a shared machine). Every table
-(sweep, scaling, report) takes it from ``RunData.tps``.
+The numbers every table (sweep, scaling, report) shows come from here:
+
+- the **final loss** is the loss of the run's last logged step, and the metrics writer always logs a run's
+  last step (``titan/metrics.py``), whatever ``metrics.log_freq`` is; ``RunData.last_step`` says which step
+  that is and ``RunData.total_steps`` what the run was asked for (a run cut short shows fewer);
+- **throughput** is the **median** tokens/s per process over the logged training rows, leaving out each
+  process start's first row (``runfolder.FIRST_LOG``: its window holds warm-up, compilation and any checkpoint
+  load). The median shrugs off steps slowed by other jobs on a shared machine. A run whose only row is a
+  start's first row has no measured throughput (NaN, shown as ``-``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from low_bits_training.config.runfolder import LOSS, MEMORY, METRICS_FILE, TPS, read_jsonl, read_metrics
+from low_bits_training.config.runfolder import (
+    FIRST_LOG,
+    LOSS,
+    MEMORY,
+    METRICS_FILE,
+    TPS,
+    read_jsonl,
+    read_metrics,
+    read_total_steps,
+)
 from low_bits_training.numerics.records import NUMERICS_FILE
 
 
@@ -53,17 +68,30 @@ class RunData:
         return dict(zip(*self.series(LOSS), strict=True))
 
     @property
+    def last_step(self) -> int:
+        """The last step with a logged loss (0: none): the run's last step once it finished."""
+        return max(self.losses, default=0)
+
+    @property
+    def total_steps(self) -> int | None:
+        """``training.steps`` of the run (its ``config.json``; None: not written)."""
+        return read_total_steps(self.folder)
+
+    @property
     def final_loss(self) -> float:
-        """The loss of the last logged step (NaN: none)."""
-        losses = self.losses
-        return losses[max(losses)] if losses else math.nan
+        """The loss at ``last_step`` (NaN: none)."""
+        return self.losses.get(self.last_step, math.nan)
 
     @property
     def tps(self) -> float:
-        """Tokens/s per process: the median over logged steps after the first (NaN: none logged)."""
-        values = self.series(TPS)[1]
-        steady = values[1:] or values
-        return statistics.median(steady) if steady else math.nan
+        """Tokens/s per process: the median over the training rows that are not a start's first (NaN: none)."""
+        rows = [r for r in self.metrics if TPS in r]
+        if any(FIRST_LOG in r for r in rows):
+            steady = [r for r in rows if r.get(FIRST_LOG) is False]
+        else:  # written before FIRST_LOG: one start, its first row is the warm-up
+            steady = rows[1:]
+        values = [_number(r[TPS]) for r in steady]
+        return statistics.median(values) if values else math.nan
 
     @property
     def peak_memory_gib(self) -> float:
@@ -72,11 +100,12 @@ class RunData:
         return max(self.series(key)[1], default=math.nan) if key else math.nan
 
     def summary(self) -> dict[str, Any]:
-        """The numbers table row: steps, final loss, median throughput, peak memory, worst numerics."""
+        """The numbers table row: the final loss and its step, median throughput, peak memory, worst
+        numerics."""
         num = {k: [_number(r[k]) for r in self.numerics] for k in ("underflow", "saturation", "sqnr_db")}
         return {
             "run": self.name,
-            "steps": max((r["step"] for r in self.metrics), default=0),
+            "final_step": step_cell([self.last_step], self.total_steps),
             "final_loss": self.final_loss,
             "median_tps": self.tps,
             "peak_memory_gib": self.peak_memory_gib,
@@ -84,6 +113,16 @@ class RunData:
             "max_saturation": max(num["saturation"], default=math.nan),
             "min_sqnr_db": min(num["sqnr_db"], default=math.nan),
         }
+
+
+def step_cell(last_steps: list[int], total: int | None) -> str:
+    """Which step a final loss is from, as tables show it: ``12/12`` (last logged step / ``training.steps``),
+    ``10-12/12`` over several runs, ``12`` when the total is unknown, ``-`` for no step."""
+    done = sorted(s for s in last_steps if s > 0)
+    if not done:
+        return "-"
+    steps = str(done[0]) if done[0] == done[-1] else f"{done[0]}-{done[-1]}"
+    return steps if total is None else f"{steps}/{total}"
 
 
 def has_metrics(folder: str | Path) -> bool:

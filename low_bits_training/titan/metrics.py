@@ -3,6 +3,10 @@
 The JSONL file is what tests, sweeps and the report read: it needs no TensorBoard parser and no network. It is
 written by the rank torchtitan picks for metrics (the last pipeline stage when PP is on), whatever
 TensorBoard and W&B are set to.
+
+Two changes to what torchtitan logs: the run's last step is always logged (upstream logs step 1 and every
+``log_freq``-th, so a 6-step run with ``log_freq = 5`` ended at step 5), and on a device without a known peak
+(the CPU) there is no MFU (upstream divides by an A100's peak there).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any
 import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-from low_bits_training.config.runfolder import METRICS_FILE, read_metrics
+from low_bits_training.config.runfolder import FIRST_LOG, METRICS_FILE, TPS, read_metrics
+from low_bits_training.titan import cpu
 from low_bits_training.titan.compat import MetricLoggerHook, metrics_rank
 from low_bits_training.titan.ranks import rank
 
@@ -25,15 +30,19 @@ __all__ = ["METRICS_FILE", "JsonlLogger", "LowBitsMetricsProcessor", "read_metri
 
 
 class JsonlLogger(BaseLogger):
-    """Appends ``{"step": s, "time": t, <metric>: value, ...}`` lines to a file (flushed per line)."""
+    """Appends ``{"step": s, "time": t, <metric>: value, ...}`` lines to a file (flushed per line); training
+    rows (those with throughput) also say whether they are this process's first (``runfolder.FIRST_LOG``)."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._f = open(path, "a")
+        self._first = True
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, "time": time.time()}
         row.update({k: _plain(v) for k, v in metrics.items()})
+        if TPS in metrics:
+            row[FIRST_LOG], self._first = self._first, False
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
 
@@ -56,6 +65,19 @@ class LowBitsMetricsProcessor(MetricLoggerHook, MetricsProcessor):
     class Config(MetricsProcessor.Config):
         enable_jsonl: bool = True
         """Write every logged metric to ``<dump_folder>/metrics.jsonl`` (the report and sweeps read it)."""
+
+    def __init__(self, config, *, config_dict: dict[str, Any] | None = None, **kwargs):
+        super().__init__(config, config_dict=config_dict, **kwargs)
+        # The run's last step (training.steps), always logged: the trainer passes its whole config as a dict.
+        self.last_step = int((config_dict or {}).get("training", {}).get("steps", 0))
+        if cpu.needs_cpu_adapters():
+            # MFU divides by the device's bf16 peak; upstream has none for the CPU and takes an A100's
+            # (tools/utils.py get_peak_flops). Its switch for "no MFU" is has_quantization (metrics.py log).
+            self.has_quantization = True
+
+    def should_log(self, step: int) -> bool:
+        """Upstream's steps (1 and every ``log_freq``-th) and the run's last step."""
+        return super().should_log(step) or step == self.last_step
 
     def wrap_metric_logger(
         self, inner: BaseLogger, *, config, parallel_dims, dump_folder, pp_schedule, **kwargs

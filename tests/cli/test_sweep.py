@@ -66,6 +66,7 @@ def test_real_sweep_writes_table_csv_and_plot(real_sweep):
         ("base", "2", "1/1"),
     ]
     for r in rows:
+        assert r["final step"] == "3/3"  # the loss of the run's last step
         final = float(r["final loss"].split(" ± ")[0])
         assert 7.0 < final < 8.3  # ~log(2048) falling after 3 steps
         assert float(r["tok/s/proc"]) > 0 and float(r["peak GiB"]) > 0
@@ -137,6 +138,7 @@ def test_seeds_pool_into_mean_std_and_paired_delta(tmp_path):
     assert base["config"] == "quantize.recipe=bf16 (baseline)" and base["runs"] == "2/2"
     assert base["final loss"] == f"7.3000 ± {math.sqrt(0.02):.4f}" and base["best loss"] == "7.0500 ± 0.0707"
     assert base["tok/s/proc"] == "150"  # the first step (warm-up) left out
+    assert base["final step"] == "3"  # no config.json: the total is unknown
     assert (
         fp8["runs"] == "1/2" and fp8["Δ final vs baseline"] == "0.1000 ± 0.0000"
     )  # paired with seed 0: 7.3 - 7.2
@@ -145,7 +147,7 @@ def test_seeds_pool_into_mean_std_and_paired_delta(tmp_path):
 
 
 def test_scaling_verdict():
-    run = lambda tps: scaling.RunStats({1: 8.0}, tps, 1.0)  # noqa: E731
+    run = lambda tps: scaling.RunStats({1: 8.0}, tps, 1.0, final=8.0, last_step=1, total_steps=1)  # noqa: E731
     assert scaling.verdict({1: run(100), 2: run(90)}).endswith(
         "(90% scaling efficiency): more processes made training faster"
     )
@@ -158,6 +160,7 @@ def test_scaling_verdict():
         "180",
         "1.80x",
         "90%",
+        "1/1",
         "8.0000",
         "1.00",
     )
