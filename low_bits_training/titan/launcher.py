@@ -1,6 +1,7 @@
 """The launcher: torchrun with the whole config checked first, and one line and a meaningful exit code last.
 
     python -m low_bits_training.titan.launcher [torchrun options] -- [training arguments]
+    python -m low_bits_training.titan.launcher --check-only [torchrun options] -- [training arguments]
 
 ``run_llama_train.sh``, ``scripts/slurm/train.sbatch`` and ``lbt-sweep`` / ``lbt-scaling`` start training
 through it. In this process, before any rank starts:
@@ -13,6 +14,10 @@ through it. In this process, before any rank starts:
   (``launch.exit_codes``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
   torchrun's error file; it is printed here once, and this process exits with that rank's code. A crash keeps
   its traceback (from the rank) and ends with exit code 1.
+
+``--check-only`` stops after the check (``submit.sh`` checks a job this way before it submits it). A run
+whose checkpoint already reached ``training.steps`` says so in one line and ends with 0 before torchrun
+starts. Under pipeline parallelism the console shows the rank that has the loss (``show_the_loss``).
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 from low_bits_training.titan.launch import UNDER_LAUNCHER
 
 WORKER = "low_bits_training.titan.launch"
+CHECK_ONLY = "--check-only"
+"""Launcher option (before ``--``): check the config and exit (0 or the check's code); torchrun never starts."""
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
@@ -70,8 +79,11 @@ def quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def check(training: list[str], processes: int) -> None:
+def check(training: list[str], processes: int):
     """Resolve and check the whole config in this process (see the module docstring).
+
+    Returns:
+        ``(config, checkpoint path the run resumes from or None)``.
 
     Raises:
         ConfigError, CheckpointError: one line each; ``SystemExit`` for ``--help`` (tyro prints it).
@@ -85,7 +97,51 @@ def check(training: list[str], processes: int) -> None:
 
     with quiet():
         config = build_config(training)
-        check_run(config, processes)
+        return config, check_run(config, processes)
+
+
+def nothing_to_do(config, resume: str | None) -> str | None:
+    """The one line for a run whose checkpoint is already at ``training.steps`` (None: there is work)."""
+    found = re.fullmatch(r"step-(\d+)", os.path.basename(resume or ""))
+    steps = config.training.steps
+    if found is None or int(found.group(1)) < steps:
+        return None
+    return (
+        f"low-bits-training: nothing to do: {resume} is step {found.group(1)} and training.steps = {steps}; "
+        "raise --training.steps to train on, or pick another dump_folder / [job] name to start afresh"
+    )
+
+
+def show_the_loss(args, config, processes: int) -> str | None:
+    """Under pipeline parallelism only the last stage has the loss (torchtitan's metrics rank; the other
+    stages log -1): the console shows that rank instead of rank 0, or besides the ranks ``LOG_RANK`` names.
+    ``LOG_RANK`` for the ranks is set to match (torchtitan's own check reads it; its hint names a
+    ``run_train.sh`` that is not ours).
+
+    Returns:
+        The line saying which ranks are shown (None: no pipeline, or the loss's rank is shown already).
+    """
+    from torch.distributed.run import determine_local_world_size
+
+    from low_bits_training.titan.compat import metrics_rank
+
+    p = config.parallelism
+    if p.pipeline_parallel_degree <= 1 or not args.local_ranks_filter:  # no filter: every rank is shown
+        return None
+    dims = SimpleNamespace(pp_enabled=True, pp=p.pipeline_parallel_degree, world_size=processes)
+    loss = metrics_rank(dims, p.pipeline_parallel_schedule)
+    local = loss % determine_local_world_size(args.nproc_per_node)
+    named = {int(r) for r in args.local_ranks_filter.split(",") if r.strip().isdigit()}
+    chosen = "LOG_RANK" in os.environ  # the user's (run_llama_train.sh and train.sbatch default to 0)
+    shown = named if local in named else (named | {local} if chosen else {local})
+    args.local_ranks_filter = ",".join(map(str, sorted(shown)))
+    os.environ["LOG_RANK"] = ",".join(map(str, sorted(shown | {loss})))
+    if shown == named:
+        return None
+    return (
+        f"low-bits-training: pipeline parallel: the loss is on rank {loss} (the last stage; the others log "
+        f"-1), so the console shows rank(s) {args.local_ranks_filter} (LOG_RANK=0,{loss} shows rank 0 too)"
+    )
 
 
 class _HoldBack(logging.Filter):
@@ -154,15 +210,24 @@ def main(argv: list[str] | None = None) -> int:
     from low_bits_training.titan.launch import classify
 
     options, training = split_argv(sys.argv[1:] if argv is None else argv)
-    args = torchrun_args(options, training)
+    check_only = CHECK_ONLY in options
+    args = torchrun_args([o for o in options if o != CHECK_ONLY], training)
     try:
-        check(training, world_size(args))
+        config, resume = check(training, world_size(args))
     except Exception as e:
         known = classify(e)  # ConfigError 2, CheckpointError 4
         if known is None:
             raise
         print(known[1], file=sys.stderr)
         return known[0]
+    done = nothing_to_do(config, resume)
+    if done is not None:
+        print(done, file=sys.stderr)
+    if check_only or done is not None:
+        return 0
+    shown = show_the_loss(args, config, world_size(args))
+    if shown is not None:
+        print(shown, file=sys.stderr, flush=True)
     return run_torchrun(args)
 
 
