@@ -11,7 +11,7 @@ from low_bits_training.nn.roles import LinearPlan
 from .model import GemmTarget
 
 PlanOf = Callable[[str, int], LinearPlan]
-"""(linear name, block index; -1 for the output layer) -> its plan."""
+"""(linear name, block index; -1 for the output layer ``lm_head``) -> its plan."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def decoder_targets(
             out += _attention(f"layers.{i}.attention", model, batch, seq)
     if model.vocab:
         out.append(
-            GemmTarget("output", model.dim, model.vocab, tokens, plan_of("output", -1), recompute=recompute)
+            GemmTarget("lm_head", model.dim, model.vocab, tokens, plan_of("lm_head", -1), recompute=recompute)
         )
     return out
 
