@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Submit a training run to slurm: torchrun on every node, c10d rendezvous on the first one.
 #
-#   ./submit.sh                                             # debug model, 1 node x 8 GPUs, generated name
+#   ./submit.sh                                             # debug model, 1 node x 1 GPU, generated name
 #   CONFIG_FILE=train_configs/x.toml NNODES=4 NGPU=8 RUN_NAME=fp8-8b ./submit.sh --training.steps 1000
 #   RUN_NAME=fp8-8b ./submit.sh                             # again: resumes outputs/fp8-8b from its checkpoint
 #
-# Extra arguments are training overrides (as for run_llama_train.sh).
+# Extra arguments are training overrides (as for run_llama_train.sh). Before anything is written or submitted
+# the launcher checks the job's config here, for NNODES x NGPU processes (low_bits_training.titan.launcher
+# --check-only): bad input is one line and exit code 2 (4 for a checkpoint it could not resume), as on a node.
 # Environment:
 #   CONFIG_FILE   TOML (default train_configs/debug_model.toml)
-#   NNODES        nodes (default 1)           NGPU  GPUs per node (default 8)
+#   NNODES        nodes (default 1)           NGPU  GPUs (processes) per node (default 1; 8 for the GPU presets)
 #   RUN_NAME      names the output + checkpoint folder outputs/RUN_NAME; default: WANDB_RUN_NAME, then
 #                 WANDB_NAME, then <config>-<date>-<time>. The same name resumes that run's last checkpoint.
 #   OUTPUT_ROOT   where run folders live (default outputs)
@@ -20,7 +22,8 @@
 #                 done) and only the job's nodes read it.
 #   SBATCH_*      any sbatch option slurm reads from the environment (SBATCH_PARTITION, SBATCH_TIMELIMIT,
 #                 SBATCH_ACCOUNT, ...); may be set in .env.
-#   SBATCH_SCRIPT batch script (default scripts/slurm/train.sbatch)   DRY_RUN=1 print the sbatch command only
+#   SBATCH_SCRIPT batch script (default scripts/slurm/train.sbatch)
+#   DRY_RUN=1     check the config and print the sbatch command; nothing is written or submitted
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
@@ -35,7 +38,7 @@ fi
 
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
 NNODES="${NNODES:-1}"
-NGPU="${NGPU:-8}"
+NGPU="${NGPU:-1}"
 OUTPUT_ROOT="${OUTPUT_ROOT:-outputs}"
 SBATCH_SCRIPT="${SBATCH_SCRIPT:-scripts/slurm/train.sbatch}"
 if [[ ! -f "$CONFIG_FILE" ]]; then
@@ -55,13 +58,16 @@ if [[ ! "$RUN_NAME" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
   echo "submit.sh: RUN_NAME = '$RUN_NAME': use letters, digits, '.', '_' and '-' (it names a folder)" >&2; exit 2
 fi
 DUMP_FOLDER="$OUTPUT_ROOT/$RUN_NAME"
-mkdir -p "$DUMP_FOLDER/slurm"
 if [[ -d "$DUMP_FOLDER/checkpoint" ]]; then
   echo "submit.sh: $DUMP_FOLDER/checkpoint exists: this run resumes from its last checkpoint" >&2
 fi
 
 # shellcheck source=scripts/ensure_venv.sh
 source scripts/ensure_venv.sh
+
+# The launcher's own check, with the training arguments train.sbatch gives it on the nodes.
+"$PYTHON" -m low_bits_training.titan.launcher --check-only --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+  -- --config-file "$CONFIG_FILE" --job.name "$RUN_NAME" --dump_folder "$DUMP_FOLDER" --checkpoint.enable "$@"
 
 # What the batch script needs; W&B names (and resumes) the run after the folder.
 export LBT_REPO="$here" LBT_RUN_NAME="$RUN_NAME" LBT_DUMP_FOLDER="$DUMP_FOLDER"
@@ -92,5 +98,6 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
   printf '%q ' "${cmd[@]}"; echo
   exit 0
 fi
+mkdir -p "$DUMP_FOLDER/slurm"
 "${cmd[@]}"
 echo "submit.sh: run '$RUN_NAME' -> $DUMP_FOLDER (resubmit with RUN_NAME=$RUN_NAME to resume)" >&2

@@ -79,7 +79,7 @@ def slurm(tmp_path):
             env=full,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=300,  # the launcher's config check runs first (imports torch and torchtitan)
         )
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         log.unlink(missing_ok=True)
@@ -215,7 +215,26 @@ def test_bad_input_is_one_line_and_submits_nothing(slurm, env, message):
     assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_dry_run_prints_sbatch_command_without_secret(slurm):
-    p, calls = slurm(RUN_NAME="dry", DRY_RUN="1")
-    assert p.returncode == 0 and calls == []
+def test_dry_run_prints_sbatch_command_without_secret(slurm, tmp_path):
+    p, calls = slurm(RUN_NAME="dry", DRY_RUN="1", nnodes=1, HF_TOKEN=SHELL_SECRET)
+    assert p.returncode == 0 and calls == [], p.stderr
     assert p.stdout.startswith("sbatch --job-name=dry ") and SECRET not in p.stdout + p.stderr
+    assert "--gpus-per-node=1 " in p.stdout  # the default: one process per node, as the debug model needs
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "secrets").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--training.stepz", "3"], {}, "config error: unknown flag '--training.stepz'"),
+        (["--parallelism.data_parallel_shard_degree", "2"], {"NGPU": "3"}, "NGPU x nodes = 3 processes"),
+    ],
+)
+@pytest.mark.parametrize("dry", ["0", "1"])
+def test_the_config_is_checked_as_the_launcher_does_before_anything_is_written(
+    slurm, tmp_path, args, env, message, dry
+):
+    p, calls = slurm(*args, RUN_NAME="bad", DRY_RUN=dry, nnodes=1, **env)
+    assert p.returncode == 2 and calls == [] and p.stdout == ""
+    assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "secrets").exists()
