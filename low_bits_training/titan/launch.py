@@ -144,12 +144,25 @@ def run(config, on_start) -> None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
+        remove_empty_comm_traces(config)
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     logger.info("Training finished")
+
+def remove_empty_comm_traces(config) -> None:
+    """After a run that ended well, rank 0 removes ``<dump_folder>/comm_traces`` if it is empty.
+
+    torchtitan makes that folder at every start for NCCL's flight recorder (``comm.save_traces_folder``,
+    distributed/utils.py ``init_distributed``), which writes into it only when a collective times out.
+    """
+    from low_bits_training.titan.ranks import is_rank0
+
+    folder = os.path.join(config.dump_folder, config.comm.save_traces_folder)
+    if is_rank0() and os.path.isdir(folder) and not os.listdir(folder):
+        os.rmdir(folder)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,3 +49,20 @@ def test_a_finished_run_says_so_in_one_line():
     )
     assert launcher.nothing_to_do(config, "outputs/x/checkpoint/step-30") is None
     assert launcher.nothing_to_do(config, None) is None
+
+
+def test_an_empty_comm_traces_folder_is_removed_after_the_run(tmp_path, monkeypatch):
+    from low_bits_training.titan.launch import remove_empty_comm_traces
+
+    monkeypatch.delenv("RANK", raising=False)
+    config = SimpleNamespace(
+        dump_folder=str(tmp_path), comm=SimpleNamespace(save_traces_folder="comm_traces")
+    )
+    (tmp_path / "comm_traces").mkdir()
+    remove_empty_comm_traces(config)
+    assert not (tmp_path / "comm_traces").exists()
+    (tmp_path / "comm_traces").mkdir()
+    (tmp_path / "comm_traces" / "rank_0").write_text("a flight recorder dump")  # a timeout's: kept
+    remove_empty_comm_traces(config)
+    assert (tmp_path / "comm_traces" / "rank_0").is_file()
+    remove_empty_comm_traces(SimpleNamespace(dump_folder=str(tmp_path / "none"), comm=config.comm))
