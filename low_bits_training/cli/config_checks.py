@@ -56,32 +56,24 @@ def resolve_run(config_file: str | None, args: list[str]) -> tuple[Check, Any]:
 
 
 def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """What runs each linear of the run on ``hw``: FQN -> (module label, backend per GEMM), in model order.
+    """What runs each GEMM entry of the run on ``hw``: FQN -> (module label, backend per GEMM), in model
+    order, every kind of target.
 
-    The same resolution the launcher applies (``titan.quantize.plan_on``); linears a base's torchtitan
-    converter swapped are ``torchtitan``.
+    The run the launcher trains (``titan.targets.resolve_run``: the plan of step 1, a phase starting at
+    step 0 included); entries a base's torchtitan converter swapped are ``torchtitan``.
     """
-    from low_bits_training.titan.attention import attention_layers, product_module_label
-    from low_bits_training.titan.moe import expert_layers, grouped_module_label
-    from low_bits_training.titan.quantize import converted_linears, plan_module_label, plan_on
+    from low_bits_training.titan import targets
 
-    model = config.model_spec.model
-    plans, experts = plan_on(config, hw, quantize), expert_layers(model)
-    products = attention_layers(model, config.training.seq_len)
-
-    def label(fqn: str, p) -> str:
-        if fqn in experts:
-            return grouped_module_label(p)
-        return product_module_label(plans, fqn) if fqn in products else plan_module_label(p)
-
-    out = {fqn: (label(fqn, p), tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in plans.items()}
-    for fqn, label in converted_linears(config.model_spec.model).items():
-        out[fqn] = (label, ("torchtitan",) * len(GEMMS))
+    run = targets.run_of(config, hw) if quantize is None else targets.resolve_run(config, hw, quantize)
+    labels = run.labels()
+    out = {fqn: (labels[fqn], tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in run.plans.items()}
+    for fqn in run.converted:
+        out[fqn] = (labels[fqn], ("torchtitan",) * len(GEMMS))
     return out
 
 
 def _slow_fix(config: Any, hw: Hardware, quantize: Any) -> str:
-    from low_bits_training.titan.quantize import plan_on
+    from low_bits_training.titan.targets import plan_on
 
     if hw.kind == "cpu":
         return "CPU: numerics are exact, speed is not a GPU's"

@@ -6,13 +6,17 @@ RHT size a power of two); the combinations of a layer's roles are ``nn.roles.ope
 
 - an RHT must divide its GEMM's contraction dim, whole and per tensor-parallel shard: K (forward), N (dgrad),
   the token count (wgrad: a multiple of the sequence length);
-- MoE expert weights (``nn.grouped``) take none of the three (their grouped GEMM does not implement them).
+- MoE expert weights (``nn.grouped``) take none of the three (their grouped GEMM does not implement them): a
+  rule that sets one on them is refused; a recipe's (nvfp4's wgrad RHT, fp8_delayed's amax history) is left
+  out for them (``grouped_specs``: RHT off, current scaling, cast from high precision), as the plan table shows.
 
 Delayed scaling under tensor parallelism needs no refusal: the current amax of a sharded operand is
 all-reduced over its shards before it enters the history (``nn.cast``), as current scaling does.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLES
@@ -39,6 +43,13 @@ def _set_options(spec: QuantSpec) -> list[str]:
     return [f"{o} = {getattr(spec, o)!r}" for o in _OPTIONS if getattr(spec, o) not in (0, "high")]
 
 
+def grouped_specs(specs: dict[str, QuantSpec | None]) -> dict[str, QuantSpec | None]:
+    """A recipe's role specs as MoE expert weights take them: the options their grouped GEMM lacks
+    (``_OPTIONS``) set back to their defaults (RHT off, current scaling, cast from high precision)."""
+    plain = {"rht": 0, "amax_history": 0, "source": "high"}
+    return {r: None if s is None else dataclasses.replace(s, **plain) for r, s in specs.items()}
+
+
 def check_layer_options(
     fqn: str, specs: tuple[QuantSpec | None, ...], shape, where: str = "quantize"
 ) -> None:
@@ -59,7 +70,7 @@ def check_layer_options(
     for role, spec in zip(ROLES, specs, strict=True):
         if spec is None:
             continue
-        if shape.tokens_multiple == 0 and _set_options(spec):  # a grouped-experts entry (titan/moe.py)
+        if shape.grouped and _set_options(spec):  # a grouped-experts entry (titan/moe.py)
             raise ConfigError(
                 f"{where}: {fqn} {role.name}: {', '.join(_set_options(spec))} is not supported for MoE "
                 "expert weights (grouped GEMM); exclude them with a rule on the attention/dense layers only"

@@ -11,7 +11,7 @@ import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from low_bits_training.config.comm import CommConfig
 from low_bits_training.config.section import AtLeast, Retired, Section
@@ -40,7 +40,7 @@ from .backends import (
     check_torchao_options,
     layer_backends,
 )
-from .operand_options import check_layer_options
+from .operand_options import check_layer_options, grouped_specs
 from .recipes import RECIPES, RecipeName
 
 HIGH = "high"
@@ -184,21 +184,42 @@ class QuantizeConfig(Section):
     """``[quantize.comm]``: low-bit FSDP2 weight all-gather and gradient reduce-scatter (config/comm.py)."""
 
 
+TargetKind = Literal["linear", "router", "experts", "qk", "pv"]
+"""What a plan entry is: a linear layer, an MoE router gate (a linear kept high unless a rule names it), one
+stacked weight of an MoE experts module, or an attention product (``S = Q K^T`` / ``O = P V``)."""
+NAMED_ONLY: frozenset[str] = frozenset({"router", "qk", "pv"})
+"""Kinds that start in high precision whatever the recipe; only a rule whose ``layers`` glob names them (and
+no entry of another kind) reaches them (``config.attention.named_products``)."""
+
+
 @dataclass(frozen=True)
 class LayerShape:
-    """What validation needs to know about one linear layer."""
+    """What validation needs to know about one plan entry (a GEMM target)."""
 
     in_features: int
     out_features: int
     tokens_multiple: int = 1
-    """The token count M is always a multiple of this (the sequence length)."""
+    """The token count M is always a multiple of this (the sequence length; 0 for expert weights: the
+    dispatcher pads each expert's tokens to what the plan's blocks need)."""
     tp: int = 1
     """Tensor-parallel degree: block/tile scales must also fit a 1/tp shard of each feature dim."""
-    grouped: bool = False
-    """An MoE expert weight (a grouped GEMM per expert): torchao's grouped recipes apply, not its linears'."""
-    product: str = ""
-    """``qk`` / ``pv`` for an attention product (``config.attention``: high precision unless a rule names
-    it, always emulated); empty for a linear layer."""
+    kind: TargetKind = "linear"
+    """What the entry is (see ``TargetKind``)."""
+
+    @property
+    def grouped(self) -> bool:
+        """An MoE expert weight (a grouped GEMM per expert): torchao's grouped recipes apply, not its linears'."""
+        return self.kind == "experts"
+
+    @property
+    def product(self) -> str:
+        """``qk`` / ``pv`` for an attention product (``config.attention``: always emulated); else empty."""
+        return self.kind if self.kind in ("qk", "pv") else ""
+
+    @property
+    def named_only(self) -> bool:
+        """High precision unless a rule names it (``NAMED_ONLY``)."""
+        return self.kind in NAMED_ONLY
 
 
 def _block_ids(fqns: list[str]) -> list[int]:
@@ -289,6 +310,7 @@ def _apply_rules(
     converted: dict[str, str],
     where: str = "quantize",
     products: set[str] = frozenset(),
+    experts: set[str] = frozenset(),
 ) -> dict[str, dict[str, QuantSpec | None]]:
     try:
         from .recipes import recipe_specs
@@ -296,7 +318,11 @@ def _apply_rules(
         base = recipe_specs(cfg.recipe)
     except KeyError as e:
         raise ConfigError(e.args[0]) from None
-    table = {f: dict.fromkeys(ROLE_NAMES) if f in products else dict(base) for f in fqns}
+    grouped = grouped_specs(base)  # expert weights: without the options their grouped GEMM lacks
+    table = {
+        f: dict.fromkeys(ROLE_NAMES) if f in products else dict(grouped if f in experts else base)
+        for f in fqns
+    }
     for i, rule in enumerate(cfg.rules):
         at = f"{where}.rules[{i}]"
         roles = select_roles(rule.roles, at)
@@ -329,7 +355,7 @@ def _check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape, where: str = "q
 
 def _rule_key(cfg: QuantizeConfig, fqn: str, role: str, layers: dict, where: str) -> str:
     """The TOML key of the last rule that set ``role`` of ``fqn`` (``where`` if none did)."""
-    products = {f for f, s in layers.items() if s.product}
+    products = {f for f, s in layers.items() if s.named_only}
     for i in reversed(range(len(cfg.rules))):
         rule, at = cfg.rules[i], f"{where}.rules[{i}]"
         chosen = select_layers(rule, list(layers), at, None, products)
@@ -365,8 +391,9 @@ def resolve_plan(
     """
     hw = hw or Hardware()
     check_backend_setting(cfg.backend, hw)
-    products = {f for f, s in layers.items() if s.product}
-    table = _apply_rules(cfg, list(layers), converted or {}, where, products)
+    products = {f for f, s in layers.items() if s.named_only}  # router gates, attention products
+    experts = {f for f, s in layers.items() if s.grouped}
+    table = _apply_rules(cfg, list(layers), converted or {}, where, products, experts)
     plans = {}
     for fqn, by_role in table.items():
         specs, shape = tuple(by_role[r] for r in ROLE_NAMES), layers[fqn]

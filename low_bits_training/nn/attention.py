@@ -33,9 +33,9 @@ from low_bits_training.formats import QuantSpec
 
 from . import probe
 from .functional import GEMM_OPERANDS, GemmState, cast_operand, source_operand
-from .linear import HISTORY_BUFFER, register_state_buffers
 from .probe import NO_STATE, LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan, Role
+from .state import QuantState
 
 PRODUCTS: tuple[str, ...] = ("qk", "pv")
 """The plan's names of the two products (``<attention fqn>.qk`` / ``.pv``)."""
@@ -206,28 +206,18 @@ def quant_attention(
     return QuantAttentionFunction.apply(q, k, v, mask, *qk, *pv, plan, scale, probe.mode(), record)
 
 
-class ProductState(nn.Module):
-    """The plan and the key / probe / amax-history buffers of one attention product (no parameters).
-
-    Like ``QuantLinear``'s state: the key and probes are non-persistent; a plan with delayed-scaled roles
-    adds the persistent amax history (``nn.delayed``), so checkpoints carry it.
-    """
+class ProductState(QuantState, nn.Module):
+    """The plan and the key / probe / amax-history buffers of one attention product (no parameters): a
+    ``QuantState`` like ``QuantLinear``'s (key and probes non-persistent; a plan with delayed-scaled roles
+    adds the persistent amax history, so checkpoints carry it)."""
 
     def __init__(self, plan: LinearPlan, name: str = "", device=None):
         super().__init__()
-        self.plan = plan
+        self.plan, self.lbt_target = plan, name
         self.init_state_buffers(device, name)
 
-    def init_state_buffers(self, device=None, name: str = "") -> None:
-        """(Re)create the buffers on ``device``; the random key derives from ``name`` (the plan entry)."""
-        register_state_buffers(self, self.plan, device, name)
-
-    @property
-    def state(self) -> GemmState:
-        return GemmState(self.lbt_key, self.lbt_stats, self.lbt_flags, getattr(self, HISTORY_BUFFER, None))
-
     def extra_repr(self) -> str:
-        return f"quantized_roles={sum(s is not None for s in self.plan.specs)}/6"
+        return self.quantized_roles()
 
 
 __all__ = [

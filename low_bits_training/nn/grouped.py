@@ -36,9 +36,9 @@ from low_bits_training.formats import (
 from . import probe, rng
 from .cast import check_fits
 from .functional import GEMM_OPERANDS, backward_weight
-from .linear import register_state_buffers
 from .probe import LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan
+from .state import QuantState
 
 _TOKEN_OPERANDS = ("input", "grad_output")
 _NO_STATE, _NO_PROBE = LayerState(), ProbeMode()
@@ -280,32 +280,17 @@ def grouped_linear(
     Raises:
         ValueError: an operand does not fit its spec (e.g. a block size that does not divide a dim).
     """
-    return GroupedQuantMatmul.apply(x, w, offs, *state, plan, probe.mode())
+    return GroupedQuantMatmul.apply(x, w, offs, *tuple(state)[:3], plan, probe.mode())  # key, stats, flags
 
 
-class GroupedQuantState(nn.Module):
-    """The plan and the key / probe buffers of one stacked expert weight (no parameters).
-
-    It mirrors ``QuantLinear``'s state (``STATE_BUFFERS``: non-persistent, never checkpointed), so the
-    numerics monitor can read an expert weight as it reads a linear layer.
-    """
+class GroupedQuantState(QuantState, nn.Module):
+    """The plan and the key / probe buffers of one stacked expert weight (no parameters): a ``QuantState``
+    like ``QuantLinear``'s, so every tool reads an expert weight as it reads a linear layer."""
 
     def __init__(self, plan: LinearPlan, name: str = "", device=None):
         super().__init__()
-        self.plan = plan
+        self.plan, self.lbt_target = plan, name
         self.init_state_buffers(device, name)
 
-    def init_state_buffers(self, device=None, name: str = "") -> None:
-        """(Re)create the key and probe buffers on ``device``; the key derives from ``name``."""
-        register_state_buffers(self, self.plan, device, name)
-
-    def set_name(self, name: str) -> None:
-        """Key this weight's random streams by its FQN."""
-        self.lbt_key.fill_(rng.layer_key(name))
-
-    @property
-    def state(self) -> LayerState:
-        return LayerState(self.lbt_key, self.lbt_stats, self.lbt_flags)
-
     def extra_repr(self) -> str:
-        return f"quantized_roles={sum(s is not None for s in self.plan.specs)}/6"
+        return self.quantized_roles()

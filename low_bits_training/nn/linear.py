@@ -5,19 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import delayed, probe, rng
-from .functional import GemmState
 from .roles import LinearPlan
+from .state import HISTORY_BUFFER, STATE_BUFFERS, QuantState, register_state_buffers
 from .tp import linear
 
-STATE_BUFFERS = ("lbt_key", "lbt_stats", "lbt_flags")
-"""Non-persistent buffers of a quantized layer (``probe.LayerState``): never in a checkpoint."""
-HISTORY_BUFFER = "lbt_amax_history"
-"""The persistent amax-history buffer of a layer with delayed-scaled roles (``nn.delayed``): checkpointed,
-so a resumed run scales exactly as an uninterrupted one."""
+__all__ = ["HISTORY_BUFFER", "STATE_BUFFERS", "QuantLinear", "register_state_buffers"]
 
 
-class QuantLinear(nn.Linear):
+class QuantLinear(QuantState, nn.Linear):
     """A drop-in ``nn.Linear``: same parameters and state_dict keys, quantized GEMMs.
 
     Checkpoints move freely between ``nn.Linear`` and ``QuantLinear`` (the plan is not state). Beside the
@@ -40,19 +35,6 @@ class QuantLinear(nn.Linear):
         self.plan = plan or LinearPlan()
         self.init_state_buffers(device)
 
-    def init_state_buffers(self, device=None, name: str = "") -> None:
-        """(Re)create the key and probe buffers on ``device``; the key derives from the layer's ``name``.
-        With delayed-scaled roles also the amax history (``HISTORY_BUFFER``, persistent: in checkpoints)."""
-        register_state_buffers(self, self.plan, device, name)
-
-    def set_name(self, name: str) -> None:
-        """Key this layer's random streams by its FQN (so every layer rounds with its own bits)."""
-        self.lbt_key.fill_(rng.layer_key(name))
-
-    @property
-    def state(self) -> GemmState:
-        return GemmState(self.lbt_key, self.lbt_stats, self.lbt_flags, getattr(self, HISTORY_BUFFER, None))
-
     @classmethod
     def from_linear(cls, lin: nn.Linear, plan: LinearPlan) -> QuantLinear:
         """A QuantLinear sharing ``lin``'s parameters."""
@@ -65,19 +47,4 @@ class QuantLinear(nn.Linear):
         return linear(x, self.weight, self.bias, self.plan, self.state)
 
     def extra_repr(self) -> str:
-        n = sum(s is not None for s in self.plan.specs)
-        return f"{super().extra_repr()}, quantized_roles={n}/6"
-
-
-def register_state_buffers(module: nn.Module, plan: LinearPlan, device=None, name: str = "") -> None:
-    """(Re)create a quantized module's state buffers (``STATE_BUFFERS``, non-persistent: the random key
-    derived from ``name``, the probes) and, with delayed-scaled roles, the persistent amax history
-    (``HISTORY_BUFFER``, in checkpoints). Shared by ``QuantLinear``, the attention products and the grouped
-    experts."""
-    key = torch.tensor(rng.layer_key(name), dtype=torch.int64, device=device)
-    module.register_buffer("lbt_key", key, persistent=False)
-    module.register_buffer("lbt_stats", probe.new_stats(device), persistent=False)
-    module.register_buffer("lbt_flags", probe.new_flags(device), persistent=False)
-    history = delayed.new_history(plan.specs, device)
-    if history is not None:
-        module.register_buffer(HISTORY_BUFFER, history, persistent=True)
+        return f"{super().extra_repr()}, {self.quantized_roles()}"

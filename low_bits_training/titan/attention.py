@@ -14,28 +14,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 
-import torch
 from torchtitan.models.common.attention import BaseAttention, FlexAttention
-from torchtitan.protocols.module import Module
 
 from low_bits_training.config.attention import check_attention_parallelism
 from low_bits_training.config.plan import LayerShape
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.attention import PRODUCTS, AttentionPlan, ProductState, quant_attention
 from low_bits_training.titan import cpu
+from low_bits_training.titan.target import TargetKind, TitanQuantState
 
 
-class TitanProductState(ProductState, Module):
-    """``ProductState`` under torchtitan's Module protocol: buffers (re)made in ``init_states``."""
-
-    def __init__(self, plan: LinearPlan, name: str):
-        ProductState.__init__(self, plan, name)
-        self._name = name
-
-    def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
-        self.init_state_buffers(
-            buffer_device if buffer_device is not None else self.lbt_key.device, self._name
-        )
+class TitanProductState(ProductState, TitanQuantState):
+    """``ProductState`` under torchtitan's Module protocol (``titan.target.TitanQuantState``)."""
 
 
 @functools.cache
@@ -83,8 +73,8 @@ def attention_layers(model_config, seq_len: int) -> dict[str, LayerShape]:
     out = {}
     for fqn, cfg in _attentions(model_config):
         h = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
-        out[f"{fqn}.qk"] = LayerShape(h, seq_len, seq_len, product="qk")
-        out[f"{fqn}.pv"] = LayerShape(seq_len, h, seq_len, product="pv")
+        out[f"{fqn}.qk"] = LayerShape(h, seq_len, seq_len, kind="qk")
+        out[f"{fqn}.pv"] = LayerShape(seq_len, h, seq_len, kind="pv")
     return out
 
 
@@ -132,3 +122,15 @@ def convert_attention(model_config, plans: dict[str, LinearPlan], parallelism) -
         base = {f.name: getattr(old, f.name) for f in fields(FlexAttention.Config)}
         cfg.inner_attention = cls.Config(**base, plans=mine, fqn=fqn)
     return len(hits)
+
+
+KIND = TargetKind(
+    name="attention",
+    what="an attention product",
+    switchable=False,
+    entries=lambda config: attention_layers(config.model_spec.model, config.training.seq_len),
+    convert=lambda config, plans, keep: convert_attention(config.model_spec.model, plans, config.parallelism),
+    label=product_module_label,
+    current=attention_plans,
+)
+"""Attention products (Q K^T, P V) as a kind of plan target (``titan.targets``)."""

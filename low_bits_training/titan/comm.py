@@ -35,15 +35,23 @@ import functools
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from low_bits_training.config.comm import CommConfig, wire_bytes, wire_spec
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec, derive_key, fake_quantize
 from low_bits_training.nn import rng
 from low_bits_training.nn.cast import cast
+from low_bits_training.nn.state import clean_fqn
+from low_bits_training.titan.compat import (
+    fsdp_collective_bases,
+    fsdp_param_groups,
+    fsdp_sharded_data,
+    fsdp_sharded_local,
+)
+from low_bits_training.titan.target import TargetKind
 
 _KEY_MASK = (1 << 62) - 1
+AllGather, ReduceScatter = fsdp_collective_bases()
 BYTES: dict[str, list[int]] = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
 """Bytes this rank received since the last ``log_comm_bytes``: collective -> [low-bit wire, own dtype]."""
 
@@ -62,21 +70,28 @@ class _Alloc:
 
 
 class WireAllGather(_Alloc, AllGather):
-    """All-gather whose payload is each parameter's shard quantized by its spec (None: as it is)."""
+    """All-gather whose payload is each parameter's shard quantized by its spec (None: as it is).
 
-    def __init__(self, params: list[tuple[str, torch.Size, QuantSpec | None]]):
-        self.params = params  # (fqn, padded shard size, spec), in the group's flat order
+    The cast reads the fp32 sharded parameter itself, not FSDP2's copy in its param dtype, so a weight is
+    rounded once: to its spec. Written into a bf16 payload, the values are exact where the scale is a power
+    of two (e8m0, or ``scale_format = "e8m0"`` tensor scales); an fp32 tensor scale (amax / max) makes
+    ``q * scale`` round once more to bf16 (docs/communication.md measures it).
+    """
+
+    def __init__(self, params: list[tuple[str, torch.Size, QuantSpec | None, object]]):
+        self.params = params  # (fqn, padded shard size, spec, FSDPParam), in the group's flat order
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         ws, offset, hp_bytes = group.size(), 0, input_tensor.element_size()
-        for fqn, size, spec in self.params:
+        for fqn, size, spec, fsdp_param in self.params:
             n = size.numel()
             seg = input_tensor[offset : offset + n]
             rows = n // size[-1]
             if spec is not None:
-                view = seg.view(rows, size[-1])  # shard boundaries are row boundaries of this view
+                src = fsdp_sharded_data(fsdp_param).view(rows, size[-1])  # orig dtype (fp32)
                 key = _key("all_gather", fqn) if spec.rounding == "stochastic" else None
-                view.copy_(cast(view, spec, ((0, group),), key, f"all-gather of {fqn}"))
+                view = seg.view(rows, size[-1])  # shard boundaries are row boundaries of this view
+                view.copy_(cast(src, spec, ((0, group),), key, f"all-gather of {fqn}"))
             amax = 4 if spec is not None and spec.scaling == "tensor" else 0  # the amax all-reduce
             BYTES["all_gather"][0] += (ws - 1) * (wire_bytes(n, rows, spec, hp_bytes) + amax)
             BYTES["all_gather"][1] += (ws - 1) * n * hp_bytes
@@ -100,7 +115,12 @@ class CountingAllGather(_Alloc, AllGather):
 
 
 class WireReduceScatter(_Alloc, ReduceScatter):
-    """Reduce-scatter whose every (parameter, destination rank) chunk is quantized before the sum."""
+    """Reduce-scatter whose every (parameter, destination rank) chunk is quantized before the sum.
+
+    FSDP2 reduce-scatters only the parameters of the unit that got a gradient since its last call (a
+    chunked loss gives [norm, lm_head] theirs at different times): each call's payload is the chunks of
+    exactly those, in the unit's order (``sent_params`` finds which), and only they are cast and counted.
+    """
 
     def __init__(self, params: list[tuple[str, int]], spec: QuantSpec):
         self.params = params  # (fqn, chunk numel), in the group's flat order
@@ -111,7 +131,7 @@ class WireReduceScatter(_Alloc, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         ws, offset, hp_bytes = group.size(), 0, input_tensor.element_size()
         rows = input_tensor.view(ws, -1)  # row r: this rank's contribution to rank r's shard
-        for fqn, n in self.params:
+        for fqn, n in sent_params(self.params, rows.shape[1]):
             seg = rows[:, offset : offset + n]
             key = _key("reduce_scatter", fqn) if self.spec.rounding == "stochastic" else None
             seg.copy_(fake_quantize(seg.to(torch.float32), self.spec, key))
@@ -121,17 +141,50 @@ class WireReduceScatter(_Alloc, ReduceScatter):
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+def sent_params(params: list[tuple[str, int]], numel: int) -> list[tuple[str, int]]:
+    """The parameters whose chunks make up one reduce-scatter call of ``numel`` elements per rank.
+
+    FSDP2 sends, in the unit's order, the parameters that got a gradient; the call's size tells which: the
+    one ordered subset of ``params`` whose chunk sizes add up to ``numel``.
+
+    Args:
+        params: ``(fqn, chunk numel)`` of every parameter of the unit, in its flat order.
+        numel: elements per rank in this call.
+
+    Raises:
+        RuntimeError: no subset, or two different subsets, add up to ``numel`` (the sizes cannot tell which
+            parameters were sent: never seen with torchtitan's units; a bug report, not a silent guess).
+    """
+    found: list[list[tuple[str, int]]] = []
+
+    def walk(i: int, left: int, chosen: list) -> None:
+        if len(found) > 1:
+            return
+        if left == 0:
+            found.append(list(chosen))
+            return
+        for j in range(i, len(params)):
+            if params[j][1] <= left:
+                walk(j + 1, left - params[j][1], [*chosen, params[j]])
+
+    walk(0, numel, [])
+    if len(found) != 1:
+        sizes = ", ".join(f"{f} {n}" for f, n in params)
+        what = "no" if not found else "more than one"
+        raise RuntimeError(
+            f"quantize.comm.reduce_scatter: {what} subset of the unit's parameters ({sizes}) adds up to "
+            f"the {numel} elements FSDP2 sent; cannot tell which were sent"
+        )
+    return found[0]
 
 
 def _groups(model: torch.nn.Module):
     """``(module, fsdp param group, [(fqn, FSDPParam)])`` of every FSDP2 unit with parameters."""
-    names = {id(p): _clean(n) for n, p in model.named_parameters()}
+    names = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
     for mod in model.modules():
         if not isinstance(mod, FSDPModule):
             continue
-        for pg in mod._get_fsdp_state()._fsdp_param_groups:  # private: FSDP2 has no public listing
+        for pg in fsdp_param_groups(mod):
             yield mod, pg, [(names.get(id(fp.sharded_param), "?"), fp) for fp in pg.fsdp_params]
 
 
@@ -152,7 +205,7 @@ def _all_gather_params(cfg: CommConfig, spec: QuantSpec, params) -> list:
         if mine and spec.scaling == "tile":
             _check_fits(fqn, rows, spec, "all_gather", "the shard rows")
         _check_fits(fqn, size[-1] if mine else 0, spec, "all_gather", "the last dim")
-        out.append((fqn, size, spec if mine else None))
+        out.append((fqn, size, spec if mine else None, fp))
     return out
 
 
@@ -175,7 +228,7 @@ def install(model: torch.nn.Module, cfg: CommConfig) -> int:
     for mod, pg, params in _groups(model):
         if pg.mesh_info.shard_mesh_size <= 1:
             continue
-        torchao_fp8 = any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for _, fp in params)
+        torchao_fp8 = any(hasattr(fsdp_sharded_local(fp), "fsdp_pre_all_gather") for _, fp in params)
         if ag is not None and torchao_fp8:  # torchao's Float8 weights already all-gather in fp8
             mod.set_custom_all_gather(CountingAllGather([fp for _, fp in params]))
         elif ag is not None:
@@ -219,7 +272,7 @@ def apply_comm(config, plans: dict) -> None:
 
     Args:
         config: the trainer config.
-        plans: the resolved plan (``titan.quantize.plan_on``).
+        plans: the resolved plan of step 1 (``titan.targets.ResolvedRun.plans``).
 
     Raises:
         ConfigError: a bad format / scaling, or a parallelism without FSDP2's collectives for it.
@@ -278,3 +331,13 @@ def log_comm_bytes(trainer) -> None:
         metrics[f"comm/{name}_bytes_hp"] = hp
         metrics[f"comm/{name}_ratio"] = low / hp
     trainer.metrics_processor.logger.log(metrics, trainer.step)
+
+
+KIND = TargetKind(
+    name="wire",
+    what="an FSDP2 collective",
+    switchable=False,
+    convert=lambda config, plans, keep: apply_comm(config, plans),
+)
+"""FSDP2's weight all-gather and gradient reduce-scatter as a kind of plan target (``titan.targets``): no
+GEMM entries; its convert checks ``[quantize.comm]`` and hooks the model spec's parallelize function."""

@@ -85,6 +85,37 @@ UPSTREAM: dict[str, Upstream] = {
         "",  # a table: the test compares its keys with memory_categories()
         "the order of the categories in export_memory_timeline's JSON (we draw the plot ourselves)",
     ),
+    "fsdp_all_gather": Upstream(
+        "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather",
+        100,
+        "d24a59aa0bc6513d",
+        "the base of a custom all-gather (FSDPModule.set_custom_all_gather): the low-bit wire",
+    ),
+    "fsdp_reduce_scatter": Upstream(
+        "torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter",
+        115,
+        "196072d26f7ebf02",
+        "the base of a custom reduce-scatter (FSDPModule.set_custom_reduce_scatter): the low-bit wire",
+    ),
+    "fsdp_state": Upstream(
+        "torch.distributed.fsdp._fully_shard._fully_shard:FSDPModule._get_fsdp_state",
+        881,
+        "f2c8b4bf8e8454ad",
+        "an FSDP2 unit's parameter groups (``_fsdp_param_groups``): which parameters share one collective",
+    ),
+    "fsdp_post_backward": Upstream(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup.post_backward",
+        606,
+        "65e3fef1ac265f4c",
+        "a reduce-scatter sends, in the unit's order, only the parameters that got a gradient",
+    ),
+    "fsdp_sharded_param": Upstream(
+        "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._init_sharded_param",
+        248,
+        "c8322a9d55427065",
+        "``_sharded_param_data`` (the padded fp32 shard, flat) and ``_sharded_local_tensor`` (torchao's "
+        "Float8 weight wrapper, if any) of a parameter",
+    ),
 }
 
 
@@ -234,3 +265,32 @@ def memory_categories() -> tuple[str, ...]:
     from torch.profiler._memory_profiler import _CATEGORY_TO_COLORS
 
     return tuple("unknown" if c is None else c.name.lower() for c in _CATEGORY_TO_COLORS)
+
+
+# --- torch.distributed.fsdp._fully_shard (FSDP2's custom-collective hooks) ------------------------------------
+
+
+def fsdp_collective_bases() -> tuple[type, type]:
+    """FSDP2's ``AllGather`` and ``ReduceScatter`` bases (``_fsdp_api.py`` lines 100 / 115): torch 2.14 has
+    the hooks (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) but no public home for the bases."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter
+
+
+def fsdp_param_groups(module: Any) -> list:
+    """The parameter groups of an FSDP2 unit (``FSDPModule._get_fsdp_state()._fsdp_param_groups``, line
+    881): each group's parameters share one all-gather and one reduce-scatter."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def fsdp_sharded_data(fsdp_param: Any) -> Any:
+    """A parameter's padded shard in its own dtype, flat (``FSDPParam._sharded_param_data``, set in
+    ``_init_sharded_param``, line 248): what FSDP2 casts to its param dtype for the all-gather."""
+    return fsdp_param._sharded_param_data
+
+
+def fsdp_sharded_local(fsdp_param: Any) -> Any:
+    """A parameter's local shard tensor (``FSDPParam._sharded_local_tensor``): torchao's Float8 weight
+    wrapper carries ``fsdp_pre_all_gather`` there."""
+    return fsdp_param._sharded_local_tensor

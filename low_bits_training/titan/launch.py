@@ -46,7 +46,7 @@ def build_config(argv: list[str]):
     from low_bits_training.titan import datasets
     from low_bits_training.titan.configure import load_config
     from low_bits_training.titan.optim import adapt_optimizer_config
-    from low_bits_training.titan.quantize import apply_precision_plan
+    from low_bits_training.titan.targets import apply_run
 
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
@@ -56,7 +56,7 @@ def build_config(argv: list[str]):
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     adapt_optimizer_config(config)  # low-bit / torchao optimizer names: checked kwargs, our container
-    apply_precision_plan(config)  # validate [quantize] and swap in QuantLinear configs, before any build
+    apply_run(config)  # the run resolved once (titan/targets.py); its targets converted, before any build
     datasets.register()
     datasets.prepare_assets(config)
     if on_cpu:
@@ -115,8 +115,8 @@ def write_run_files(config, argv: list[str]) -> None:
     from torchtitan.tools.logging import logger
 
     from low_bits_training.titan.configure import save_resolved
-    from low_bits_training.titan.quantize import save_plan
     from low_bits_training.titan.ranks import is_rank0
+    from low_bits_training.titan.targets import save_plan
 
     if is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])

@@ -34,7 +34,6 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
-from torchtitan.protocols.module import Module
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.plan import LayerShape
@@ -42,6 +41,7 @@ from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
 from low_bits_training.nn.torchao_modules import TorchaoGroupedRecipe, torchao_grouped_recipe
+from low_bits_training.titan.target import TargetKind, TitanQuantState
 
 WEIGHTS = ("w1", "w2", "w3")
 """The plan's names of the three stacked expert weights (``<experts fqn>.w1`` ...)."""
@@ -106,18 +106,8 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
         return shape, x, idx, sizes
 
 
-class TitanExpertWeightState(GroupedQuantState, Module):
-    """``GroupedQuantState`` under torchtitan's Module protocol: its buffers are (re)made in
-    ``init_states``, after the model left the meta device."""
-
-    def __init__(self, plan: LinearPlan, name: str):
-        GroupedQuantState.__init__(self, plan, name)
-        self._name = name
-
-    def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
-        self.init_state_buffers(
-            buffer_device if buffer_device is not None else self.lbt_key.device, self._name
-        )
+class TitanExpertWeightState(GroupedQuantState, TitanQuantState):
+    """``GroupedQuantState`` under torchtitan's Module protocol (``titan.target.TitanQuantState``)."""
 
 
 class TitanQuantGroupedExperts(GroupedExperts):
@@ -162,7 +152,7 @@ def expert_layers(model_config, tp: int = 1) -> dict[str, LayerShape]:
     for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
         d, h = cfg.dim, cfg.hidden_dim
         for name, (k, n) in zip(WEIGHTS, ((d, h), (h, d), (d, h)), strict=True):
-            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp, grouped=True)
+            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp, kind="experts")
     return out
 
 
@@ -295,6 +285,36 @@ def _check_parallelism(fqn: str, parallelism) -> None:
                 "with data parallelism (FSDP2) only; set it to 1 or keep the experts in high precision "
                 "(quantize.skip)"
             )
+
+
+def _convert(config, plans: dict[str, LinearPlan]) -> None:
+    """``convert_experts``, and one log line where the recipe's options were left out for the experts."""
+    from torchtitan.tools.logging import logger
+
+    from low_bits_training.config.operand_options import grouped_specs
+    from low_bits_training.config.recipes import recipe_specs
+
+    convert_experts(config.model_spec.model, plans, config.parallelism)
+    specs = recipe_specs(config.quantize.recipe)
+    if specs != grouped_specs(specs) and expert_plans(config.model_spec.model):
+        logger.info(
+            f"quantize.recipe = {config.quantize.recipe!r}: MoE expert weights take it without RHT, delayed "
+            "scaling and forward-cast reuse (their grouped GEMM has none); the plan table shows their specs"
+        )
+
+
+KIND = TargetKind(
+    name="experts",
+    what="an MoE expert weight",
+    switchable=False,
+    entries=lambda config: expert_layers(
+        config.model_spec.model, max(1, config.parallelism.tensor_parallel_degree)
+    ),
+    convert=lambda config, plans, keep: _convert(config, plans),
+    label=lambda plans, fqn: grouped_module_label(plans[fqn]),
+    current=expert_plans,
+)
+"""MoE expert weights as a kind of plan target (``titan.targets``)."""
 
 
 def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):

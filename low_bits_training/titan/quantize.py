@@ -1,4 +1,4 @@
-"""The precision plan inside torchtitan: QuantLinear as a config-tree module, the converter, the plan table.
+"""The linear layers as a kind of plan target: QuantLinear as a config-tree module, its converter, its labels.
 
 torchtitan 0.3 builds the model from a config tree; its llama3 linears are ``Linear.Config`` entries
 (models/common/linear.py). Like torchtitan's own ``Float8LinearConverter`` (components/quantization/float8.py),
@@ -11,36 +11,28 @@ as ``torchtitan`` in the plan table.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
-from torchtitan.protocols.module import Module
+from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan.tools.logging import logger
 
 from low_bits_training.config.backends import (
-    Hardware,
     TorchaoOptions,
     detect_hardware,
     torchao_kernel_refusal,
     torchao_recipe,
     torchao_shape_refusal,
 )
-from low_bits_training.config.plan import LayerShape, resolve_plan
-from low_bits_training.config.plan_table import plan_to_json
-from low_bits_training.nn import LinearPlan, QuantLinear
-from low_bits_training.nn.linear import HISTORY_BUFFER, STATE_BUFFERS
+from low_bits_training.config.plan import LayerShape
+from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.state import HISTORY_BUFFER, STATE_BUFFERS
 from low_bits_training.nn.whatif import WhatIfLinear
-from low_bits_training.titan.attention import attention_layers, attention_plans, convert_attention
-from low_bits_training.titan.comm import apply_comm
-from low_bits_training.titan.moe import convert_experts, expert_layers, expert_plans
+from low_bits_training.titan.target import TargetKind, TitanQuantState
 
 
-class TitanQuantLinear(WhatIfLinear, Module):
+class TitanQuantLinear(WhatIfLinear, TitanQuantState):
     """``QuantLinear`` that satisfies torchtitan's Module protocol (param init, sharding config), and can
     record what-if statistics (``nn.whatif``)."""
 
@@ -52,7 +44,7 @@ class TitanQuantLinear(WhatIfLinear, Module):
         """Spec per GEMM operand role and backend per GEMM (see ``low_bits_training.nn.roles``)."""
 
     def __init__(self, config: Config):
-        QuantLinear.__init__(
+        WhatIfLinear.__init__(
             self, config.in_features, config.out_features, bias=config.bias, plan=config.plan
         )
         # The key / probe buffers are made in _init_self_buffers, after torchtitan distributed the states
@@ -63,9 +55,6 @@ class TitanQuantLinear(WhatIfLinear, Module):
             getattr(self, HISTORY_BUFFER, None) is not None
         ):  # delayed scaling: persistent, per rank (nn.delayed)
             self.register_buffer(HISTORY_BUFFER, None)
-
-    def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
-        self.init_state_buffers(buffer_device if buffer_device is not None else self.weight.device)
 
 
 class PrecisionPlanConverter(QuantizationConverter):
@@ -180,108 +169,54 @@ def _log_fallbacks(plans: dict[str, LinearPlan], layers: dict[str, LayerShape], 
         logger.info(f"quantize.backend = {setting!r}: {len(fqns)} layers {why}")
 
 
-def layer_shapes(config) -> dict[str, LayerShape]:
-    """FQN -> shape of every layer the plan covers (before or after ``apply_precision_plan``)."""
-    model = config.model_spec.model
+def linear_entries(config) -> dict[str, LayerShape]:
+    """FQN -> shape of every linear layer the plan covers (before or after conversion); an MoE router's gate
+    is a ``router`` entry: high precision unless a rule names it, as torchtitan's MoE converters keep it."""
     tp = max(1, config.parallelism.tensor_parallel_degree)
-    layers = {
-        fqn: LayerShape(c.in_features, c.out_features, config.training.seq_len, tp)
-        for fqn, c, _, _ in linear_configs(model)
+    seq = config.training.seq_len
+    return {
+        fqn: LayerShape(c.in_features, c.out_features, seq, tp, kind=_kind(parent))
+        for fqn, c, parent, _ in linear_configs(config.model_spec.model)
     }
-    layers.update(expert_layers(model, tp))  # MoE expert weights: titan/moe.py
-    layers.update(attention_layers(model, config.training.seq_len))  # attention products: titan/attention.py
-    return layers
 
 
-def plan_on(config, hw: Hardware, quantize=None) -> dict[str, LinearPlan]:
-    """The resolved plan of ``config``'s model on hardware ``hw`` (this machine's: ``detect_hardware()``;
-    another: lbt-doctor ``--hardware``). Works on the model tree before or after ``apply_precision_plan``.
-
-    Args:
-        config: the trainer config.
-        hw: the hardware to judge on.
-        quantize: a ``[quantize]`` section to use instead of ``config.quantize`` (doctor ``--recipe``).
-
-    Raises:
-        ConfigError: see ``config.plan.resolve_plan``.
-    """
-    converted = converted_linears(config.model_spec.model)
-    return resolve_plan(quantize or config.quantize, layer_shapes(config), hw, converted)
+def _kind(parent) -> str:
+    return "router" if isinstance(parent, TokenChoiceTopKRouter.Config) else "linear"
 
 
-def apply_precision_plan(config) -> dict[str, LinearPlan]:
-    """Validate ``config.quantize`` against the model and rewrite the model config tree in place.
-
-    Args:
-        config: the ``LowBitsTrainer.Config`` (its ``model_spec.model`` is replaced).
-
-    Returns:
-        FQN -> LinearPlan for every covered linear layer.
-
-    Raises:
-        ConfigError: one line, before the model is built (see ``config.plan.resolve_plan``).
-    """
-    from low_bits_training.titan.numerics.whatif import whatif_on
-    from low_bits_training.titan.schedule import schedule_on
-
-    model, hw = config.model_spec.model, detect_hardware()
-    schedule = schedule_on(config, hw)  # [[quantize.phases]], [quantize.eval]: titan/schedule.py
-    plans = schedule.at(1).plans
-    keep = [*schedule.quantized(), *whatif_on(config, plans)]
-    _log_fallbacks(plans, layer_shapes(config), config.quantize.backend, hw)
-    apply_comm(config, plans)  # [quantize.comm]: titan/comm.py
-    converter = PrecisionPlanConverter.Config(plans=plans, torchao=config.quantize.torchao, keep=keep).build()
-    config.model_spec.model = converter.convert(model)
-    convert_experts(config.model_spec.model, plans, config.parallelism)  # MoE experts: titan/moe.py
-    convert_attention(config.model_spec.model, plans, config.parallelism)  # attention: titan/attention.py
-    if any(p.backends[0].startswith("torchao") for p in plans.values()):
+def convert_linears(config, plans: dict[str, LinearPlan], keep: set[str]) -> None:
+    """Swap the linears the plan quantizes (or ``keep`` names) in ``config``'s model tree; log why layers
+    torchao could compute stay emulated; hook torchao's FSDP scale precompute where torchao runs layers."""
+    mine = {f: p for f, p in plans.items() if f in linear_entries(config)}
+    _log_fallbacks(mine, linear_entries(config), config.quantize.backend, detect_hardware())
+    converter = PrecisionPlanConverter.Config(plans=mine, torchao=config.quantize.torchao, keep=sorted(keep))
+    config.model_spec.model = converter.build().convert(config.model_spec.model)
+    if any(p.backends[0].startswith("torchao") for p in mine.values()):
         from low_bits_training.titan.torchao_backend import install_fsdp_scale_precompute
 
         install_fsdp_scale_precompute(config)
-    return plans
 
 
-def current_plans(config) -> tuple[dict[str, LinearPlan], dict[str, str]]:
-    """The plan as it stands in the model config tree, and what each linear builds.
-
-    Returns:
-        FQN -> LinearPlan (high precision for unconverted linears; all-``torchtitan`` backends for linears a
-        torchtitan converter swapped) and FQN -> module label (``module_label``), in model order.
-    """
-    model = config.model_spec.model
-    ours = _ours()
-    plans, modules = {}, {}
-    for fqn, cfg, _, _ in model.traverse(Linear.Config):
-        if type(cfg) in ours:
-            plans[fqn] = getattr(cfg, "plan", LinearPlan())
+def current_linears(model_config) -> dict[str, tuple[LinearPlan, str]]:
+    """FQN -> (plan, module label) of every linear as the tree holds it: high precision for unconverted
+    linears, all-``torchtitan`` backends for linears a torchtitan converter swapped."""
+    out = {}
+    for fqn, cfg, _, _ in model_config.traverse(Linear.Config):
+        if type(cfg) in _ours():
+            out[fqn] = (getattr(cfg, "plan", LinearPlan()), module_label(cfg))
         elif type(cfg).__module__.startswith("torchtitan.components."):
-            plans[fqn] = LinearPlan(backends=("torchtitan",) * len(LinearPlan().backends))
-        else:
-            continue
-        modules[fqn] = module_label(cfg)
-    others = {**expert_plans(model), **attention_plans(model)}  # MoE experts, attention products
-    for fqn, (plan, label) in others.items():
-        plans[fqn], modules[fqn] = plan, label
-    return plans, modules
+            out[fqn] = (LinearPlan(backends=("torchtitan",) * len(LinearPlan().backends)), module_label(cfg))
+    return out
 
 
-def save_plan(config, folder: str | os.PathLike) -> Path:
-    """Write ``precision_plan.txt`` (the table) and ``precision_plan.json`` into ``folder``; log the table.
-
-    With a precision schedule the text has one table per phase (and the eval plan), and
-    ``precision_schedule.json`` is written beside (titan/schedule.py).
-
-    Returns:
-        The path of the text table.
-    """
-    from low_bits_training.titan.schedule import plan_text
-
-    plans, modules = current_plans(config)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    head = f"recipe={config.quantize.recipe} backend={config.quantize.backend} device={detect_hardware()}\n"
-    text = head + plan_text(config, plans, modules, folder)
-    (folder / "precision_plan.txt").write_text(text)
-    (folder / "precision_plan.json").write_text(json.dumps(plan_to_json(plans, modules), indent=1) + "\n")
-    logger.info("Precision plan:\n" + text)
-    return folder / "precision_plan.txt"
+KIND = TargetKind(
+    name="linear",
+    what="a linear layer",
+    switchable=True,
+    entries=linear_entries,
+    convert=convert_linears,
+    label=lambda plans, fqn: plan_module_label(plans[fqn]),
+    current=current_linears,
+    converted=converted_linears,
+)
+"""Linear layers (router gates included) as a kind of plan target (``titan.targets``)."""

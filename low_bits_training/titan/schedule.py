@@ -3,7 +3,8 @@
 The resolved ``config.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
-  change every ``QuantLinear`` gets its plan for the new phase (the same ``LinearPlan`` objects each time).
+  change every target whose kind can switch (``titan.target.TargetKind.switchable``: the linear layers) gets
+  its plan for the new phase (the same ``LinearPlan`` objects each time).
   A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
   QuantLinear (``titan.quantize``), so parameters and state_dict keys never change.
 - ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when
@@ -22,32 +23,11 @@ from collections.abc import Iterator
 import torch
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.backends import detect_hardware
-from low_bits_training.config.schedule import PhasePlan, Schedule, check_switchable, resolve_schedule
-from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, probe
+from low_bits_training.config.schedule import PhasePlan, Schedule
+from low_bits_training.nn import LinearPlan, ProbeMode, probe
+from low_bits_training.nn.state import QuantState
 
 _BLOCK = re.compile(r"^(layers\.\d+)\.")
-
-
-def schedule_on(config, hw=None) -> Schedule:
-    """The resolved schedule of ``config``'s model (before or after ``apply_precision_plan``).
-
-    Raises:
-        ConfigError: see ``config.schedule.resolve_schedule`` and ``check_switchable``.
-    """
-    from low_bits_training.titan.attention import attention_layers
-    from low_bits_training.titan.moe import expert_layers
-    from low_bits_training.titan.quantize import converted_linears, layer_shapes
-
-    model = config.model_spec.model
-    hw = hw or detect_hardware()
-    sched = resolve_schedule(
-        config.quantize, layer_shapes(config), config.training.steps, hw, converted_linears(model)
-    )
-    fixed = dict.fromkeys(expert_layers(model), "an MoE expert weight")
-    fixed.update(dict.fromkeys(attention_layers(model, config.training.seq_len), "an attention product"))
-    check_switchable(sched, fixed)
-    return sched
 
 
 def phase_title(schedule: Schedule, phase: PhasePlan) -> str:
@@ -60,7 +40,7 @@ def phase_title(schedule: Schedule, phase: PhasePlan) -> str:
 class PrecisionSchedule:
     """Switches the quantized layers of ``model_parts`` between the schedule's plans."""
 
-    def __init__(self, schedule: Schedule, layers: list[tuple[str, QuantLinear]]):
+    def __init__(self, schedule: Schedule, layers: list[tuple[str, QuantState]]):
         self.schedule = schedule
         self.layers = layers
         self.current: PhasePlan | None = None
@@ -141,50 +121,21 @@ def raise_recompile_limit(schedule: Schedule, stats: bool) -> int:
     return cfg.recompile_limit
 
 
-def plan_text(config, plans: dict[str, LinearPlan], modules: dict[str, str], folder) -> str:
-    """The plan table: one table, or with a schedule one per phase and the eval plan, each under its title
-    (and ``precision_schedule.json`` written into ``folder``).
+def install(trainer, run) -> PrecisionSchedule:
+    """Wire the schedule into a built trainer: the plan switcher, the validator's plan, the compile budget.
 
     Args:
-        config: the trainer config (after ``apply_precision_plan``).
-        plans, modules: ``titan.quantize.current_plans`` (the plan of step 1, and what each layer builds).
-        folder: the run folder.
-    """
-    import json
-    from pathlib import Path
-
-    from low_bits_training.config.plan_table import format_plan, plan_to_json
-
-    sched = schedule_on(config)
-    if len(sched.all()) == 1:
-        return format_plan(plans, modules)
-    parts, data = [], []
-    for phase in sched.all():
-        merged = {**plans, **phase.plans}  # keeps the linears a base's torchtitan converter swapped
-        parts.append(f"\n== {phase_title(sched, phase)}\n{format_plan(merged, modules)}")
-        last = sched.last_step(phase) if phase.first_step else 0
-        data.append(
-            {
-                "label": phase.label,
-                "first_step": phase.first_step,
-                "last_step": last,
-                "plans": plan_to_json(merged, modules),
-            }
-        )
-    (Path(folder) / "precision_schedule.json").write_text(json.dumps(data, indent=1) + "\n")
-    return "".join(parts)
-
-
-def install(trainer) -> PrecisionSchedule:
-    """Wire the schedule into a built trainer: the plan switcher, the validator's plan, the compile budget.
+        trainer: the built trainer.
+        run: its resolved run (``titan.targets.run_of``): the schedule and which entries can switch.
 
     Returns:
         The ``PrecisionSchedule`` whose ``begin_step`` the trainer calls before every step.
     """
-    from low_bits_training.titan.numerics import quant_layers
+    from low_bits_training.nn.state import live_targets
 
     config = trainer.config
-    sched = PrecisionSchedule(schedule_on(config), quant_layers(trainer.model_parts))
+    mine = [(f, m) for f, m in live_targets(trainer.model_parts) if run.switchable(f)]
+    sched = PrecisionSchedule(run.schedule, mine)
     if getattr(trainer, "validator", None) is not None and config.validator.enable:
         trainer.validator = EvalPrecision(trainer.validator, sched)
     if config.compile.enable:

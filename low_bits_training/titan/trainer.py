@@ -14,10 +14,11 @@ from low_bits_training.nn import rng as layer_rng
 from low_bits_training.titan.checkpoint import fingerprint
 from low_bits_training.titan.comm import log_comm_bytes
 from low_bits_training.titan.delayed import install as install_amax_group
-from low_bits_training.titan.numerics import NumericsConfig, extras_for, quant_layers
+from low_bits_training.titan.numerics import NumericsConfig, extras_for
 from low_bits_training.titan.profiling import ProfilingConfig
 from low_bits_training.titan.ranks import rank
 from low_bits_training.titan.schedule import install as install_schedule
+from low_bits_training.titan.targets import live, run_of
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,9 +56,10 @@ class LowBitsTrainer(Trainer):
         # torchtitan seeded this rank (debug.seed; distinct per PP stage): every step's stream derives from it.
         self._rng_base_seed = torch.initial_seed()
         self._microbatch = 0
-        for fqn, layer in quant_layers(self.model_parts):  # each layer rounds with its own random bits
-            layer.set_name(fqn)
-        self._lbt_schedule = install_schedule(self)  # [[quantize.phases]], [quantize.eval]: titan/schedule.py
+        for fqn, target in live(self.model_parts):  # each target rounds with its own random bits
+            target.set_name(fqn)
+        # [[quantize.phases]], [quantize.eval]: titan/schedule.py, from the run resolved in build_config
+        self._lbt_schedule = install_schedule(self, run_of(config))
         install_amax_group(self)  # delayed scaling: one amax history on every data rank (titan/delayed.py)
 
     @dataclass(kw_only=True, slots=True)

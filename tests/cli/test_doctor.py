@@ -252,7 +252,7 @@ ATTENTION = [{"layers": ["layers.[12].attention.qk"], "format": "e4m3", "scaling
 def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch, quantize, base):
     from low_bits_training.cli.config_checks import layer_backends, resolve_run
     from low_bits_training.config.backends import GEMMS, detect_hardware, gemm_backend
-    from low_bits_training.titan.quantize import current_plans
+    from low_bits_training.titan.targets import current_plans
 
     monkeypatch.syspath_prepend(str(REPO))  # the converted base lives in tests/
     toml = write_toml(clean_env / "run.toml", quantize=quantize)

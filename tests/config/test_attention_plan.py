@@ -15,8 +15,8 @@ def layers(head: int = HEAD, seq: int = SEQ) -> dict[str, LayerShape]:
     out = {}
     for i in range(4):
         out[f"layers.{i}.attention.wqkv"] = LayerShape(256, 768, seq)
-        out[f"layers.{i}.attention.qk"] = LayerShape(head, seq, seq, product="qk")
-        out[f"layers.{i}.attention.pv"] = LayerShape(seq, head, seq, product="pv")
+        out[f"layers.{i}.attention.qk"] = LayerShape(head, seq, seq, kind="qk")
+        out[f"layers.{i}.attention.pv"] = LayerShape(seq, head, seq, kind="pv")
         out[f"layers.{i}.feed_forward.w1"] = LayerShape(256, 768, seq)
     out["lm_head"] = LayerShape(256, 2048, seq)
     return out

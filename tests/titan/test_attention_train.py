@@ -32,11 +32,11 @@ def _inner(config) -> list:
 
 
 def test_nothing_selects_attention_nothing_changes():
-    from low_bits_training.titan.quantize import apply_precision_plan, current_plans
+    from low_bits_training.titan.targets import apply_run, current_plans
 
     config = _config()
     before = _inner(config)
-    plans = apply_precision_plan(config)
+    plans = apply_run(config).plans
     assert _inner(config) == before and all(a is b for a, b in zip(_inner(config), before, strict=True))
     assert (
         plans["layers.0.attention.qk"].is_high_precision and plans["layers.5.attention.pv"].is_high_precision
@@ -46,10 +46,10 @@ def test_nothing_selects_attention_nothing_changes():
 
 def test_named_products_swap_the_inner_attention():
     from low_bits_training.titan.attention import quant_attention_class
-    from low_bits_training.titan.quantize import apply_precision_plan, current_plans
+    from low_bits_training.titan.targets import apply_run, current_plans
 
     config = _config(rules=[QuantRule(layers=["layers.[01].attention.qk"], format="e4m3", scaling="tensor")])
-    apply_precision_plan(config)
+    apply_run(config)
     kinds = [type(c) for c in _inner(config)]
     assert (
         kinds[:2] == [quant_attention_class().Config] * 2 and quant_attention_class().Config not in kinds[2:]
@@ -59,10 +59,10 @@ def test_named_products_swap_the_inner_attention():
 
 
 def test_tensor_parallel_quantized_attention_is_refused():
-    from low_bits_training.titan.quantize import apply_precision_plan
+    from low_bits_training.titan.targets import apply_run
 
     with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree = 2: quantized attention"):
-        apply_precision_plan(_config(rules=[FP8], tensor_parallel_degree=2))
+        apply_run(_config(rules=[FP8], tensor_parallel_degree=2))
 
 
 def test_high_precision_quant_attention_is_the_cpu_adapters_attention():
@@ -119,11 +119,11 @@ def test_debug_model_trains_with_fp8_attention(tmp_path):
 
 def test_a_phase_that_changes_attention_is_refused():
     from low_bits_training.config.plan import Phase
-    from low_bits_training.titan.quantize import apply_precision_plan
+    from low_bits_training.titan.targets import apply_run
 
     config = _config()
     config.quantize.phases = [Phase(start=0.5, rules=[FP8])]
     with pytest.raises(
         ConfigError, match=r"changes the plan of layers.0.attention.qk \(an attention product\)"
     ):
-        apply_precision_plan(config)
+        apply_run(config)

@@ -168,6 +168,49 @@ def _counted(cfg: CommConfig) -> dict[str, list[int]]:
     return out
 
 
+class _TwoInOneUnit(nn.Module):
+    """One FSDP2 unit with two weights; the forward uses the second only (as a chunked loss leaves some of a
+    unit's parameters without a gradient in one backward): FSDP2 reduce-scatters that one alone."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = nn.Linear(IN, HID, bias=False)  # no gradient
+        self.b = nn.Linear(IN, OUT, bias=False)
+
+    def forward(self, x):
+        return self.b(x)
+
+
+PARTIAL_WIRE = WireFormat(format="e4m3", scaling="tensor", rounding="nearest")
+
+
+def _partial(rank: int) -> dict:
+    """The b gradient after a reduce-scatter of the partial unit, this rank's own b gradient, the counters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from low_bits_training.titan import comm
+    from low_bits_training.titan.cpu import force_sum_reductions
+
+    local = _TwoInOneUnit()
+    local(_data(rank)).square().sum().backward()
+    model = _TwoInOneUnit()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    model.set_gradient_divide_factor(1.0)
+    force_sum_reductions(model)
+    comm.install(model, CommConfig(reduce_scatter=PARTIAL_WIRE))
+    for v in comm.BYTES.values():
+        v[0] = v[1] = 0
+    model(_data(rank)).square().sum().backward()
+    assert model.a.weight.grad is None
+    return {
+        "grad": model.b.weight.grad.to_local().clone(),
+        "local": local.b.weight.grad,
+        "bytes": {k: list(v) for k, v in comm.BYTES.items()},
+    }
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -185,6 +228,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         "bytes": _counted(
             CommConfig(all_gather=E4M3_AXIS, all_gather_params=["*"], reduce_scatter=E4M3_BLOCK_SR)
         ),
+        "partial": _partial(rank),
     }
     torch.save(results, f"{out}.{rank}")
     leave_worker()
@@ -268,3 +312,27 @@ def test_byte_counters_are_exact(two_ranks):
     low = sum(n + n // BLOCK * 4 for n in shards)
     for rank in range(2):
         assert two_ranks[rank]["bytes"]["reduce_scatter"] == [low, sum(shards) * 4]
+
+
+def test_reduce_scatter_of_a_partial_unit_casts_and_counts_what_is_sent(two_ranks):
+    # Only b (OUT x IN) got a gradient: each destination chunk of b has one tensor scale of its own, the sum
+    # is of those casts, and the counters hold b's chunk alone (codes + one fp32 scale), not a's.
+    for rank in range(2):
+        chunks = [_shard_of(two_ranks[src]["partial"]["local"], rank) for src in range(2)]
+        expect = sum(fake_quantize(c, QuantSpec("e4m3", "tensor")) for c in chunks)
+        torch.testing.assert_close(two_ranks[rank]["partial"]["grad"], expect, rtol=0, atol=0)
+        n = OUT * IN // 2
+        assert two_ranks[rank]["partial"]["bytes"]["reduce_scatter"] == [n + 4, n * 4]
+
+
+def test_sent_params_finds_the_one_subset_and_refuses_a_guess():
+    from low_bits_training.titan.comm import sent_params
+
+    params = [("a", 6), ("b", 4), ("c", 2)]
+    assert sent_params(params, 12) == params
+    assert sent_params(params, 4) == [("b", 4)]
+    assert sent_params(params, 8) == [("a", 6), ("c", 2)]
+    with pytest.raises(RuntimeError, match="more than one subset"):
+        sent_params(params, 6)  # a alone, or b + c
+    with pytest.raises(RuntimeError, match="no subset"):
+        sent_params(params, 5)

@@ -95,11 +95,11 @@ def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
 def test_presets_load_and_validate(path):
     from low_bits_training.config.plan import QuantizeConfig
     from low_bits_training.titan.configure import load_config
-    from low_bits_training.titan.quantize import apply_precision_plan
+    from low_bits_training.titan.targets import apply_run
 
     config = load_config(path, [])
     assert config.quantize != QuantizeConfig() or path.stem == "debug_bf16"
-    plans = apply_precision_plan(config)
+    plans = apply_run(config).plans
     assert plans["lm_head"].is_high_precision
     quantized = [f for f, p in plans.items() if not p.is_high_precision]
     assert (len(quantized) == 0) == (config.quantize.recipe == "bf16")
@@ -201,7 +201,7 @@ def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, 
     from low_bits_training.config.backends import Hardware, gemm_backend
     from low_bits_training.titan.attention import attention_layers
     from low_bits_training.titan.configure import load_config
-    from low_bits_training.titan.quantize import plan_on
+    from low_bits_training.titan.targets import plan_on
 
     config = load_config(REPO / "train_configs" / f"{preset}.toml", [])
     assert config.compile.enable and "model" in config.compile.components

@@ -7,7 +7,7 @@
 """
 
 from .config import NumericsConfig, Policy
-from .monitor import NumericsMonitor, quant_layers, reduce_raw
+from .monitor import NumericsMonitor, reduce_raw
 from .policy import NONFINITE_EXIT_CODE, NonFiniteError, TrainerExtras, exit_on_nonfinite, extras_for, warn
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "TrainerExtras",
     "exit_on_nonfinite",
     "extras_for",
-    "quant_layers",
     "reduce_raw",
     "warn",
 ]

@@ -1,7 +1,8 @@
-"""The numerics monitor: reads the quantized layers' in-graph probes between steps.
+"""The numerics monitor: reads the quantized targets' in-graph probes between steps.
 
-Each ``QuantLinear`` records its own operands' statistics and NaN / Inf flags inside the (compiled) graph
-(``nn.probe``). This module decides what the layers record each step (``probe.set_mode``), resets the
+Each quantized target of every kind (linear layers, MoE expert weights, attention products: a
+``nn.state.QuantState``) records its own operands' statistics and NaN / Inf flags inside the (compiled)
+graph (``nn.probe``), under its plan entry's name. This module decides what the layers record each step (``probe.set_mode``), resets the
 probes, and reads them: the flags once per microbatch (one host sync, in execution order so the *first*
 non-finite value is named), the statistics at the end of a statistics step, reduced over all ranks here
 (sums add, amax by MAX, the smallest scale by MIN), written to ``<dump_folder>/numerics.jsonl`` (rank 0)
@@ -16,8 +17,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from low_bits_training.nn import ROLE_NAMES, ProbeMode, QuantLinear, probe
+from low_bits_training.nn import ROLE_NAMES, ProbeMode, probe
 from low_bits_training.nn.probe import FLAG_SLOTS
+from low_bits_training.nn.state import live_targets
 from low_bits_training.numerics import NonFinite, identity, reduce_ops
 from low_bits_training.numerics.records import NUMERICS_FILE, headline_metrics, rows
 from low_bits_training.numerics.whatif import whatif_headlines
@@ -33,21 +35,6 @@ _BACKWARD_SLOTS = [i for i, s in enumerate(FLAG_SLOTS) if not s.startswith("forw
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
-
-
-def clean_fqn(name: str) -> str:
-    """A module's FQN without the wrappers torchtitan adds (activation checkpointing, torch.compile)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
-def quant_layers(model_parts: list[torch.nn.Module]) -> list[tuple[str, QuantLinear]]:
-    """``(fqn, layer)`` of every QuantLinear, in model order (the forward execution order)."""
-    return [
-        (clean_fqn(fqn), mod)
-        for part in model_parts
-        for fqn, mod in part.named_modules()
-        if isinstance(mod, QuantLinear)
-    ]
 
 
 def reduce_raw(raw: torch.Tensor, group=None, ops: list[str] | None = None) -> torch.Tensor:
@@ -79,7 +66,7 @@ def _gather_union(local: dict) -> dict:
 
 
 class NumericsMonitor:
-    """Statistics and NaN checks for the ``QuantLinear`` modules of ``model_parts``."""
+    """Statistics and NaN checks for the quantized targets of ``model_parts`` (every kind)."""
 
     def __init__(
         self,
@@ -92,7 +79,7 @@ class NumericsMonitor:
         still checks each microbatch's loss and the gradients."""
         self.cfg, self.dump_folder, self.layer_probes = config, dump_folder, layer_probes
         self.step, self.stats_on, self.skip = 0, False, False
-        self.layers = quant_layers(model_parts)
+        self.layers = live_targets(model_parts)
         self.params = [(n, p) for m in model_parts for n, p in m.named_parameters()]
         self.active = bool(config.stats_freq) or config.nonfinite != "off"
         self.whatif = whatif.attach(self.layers, config)  # [numerics] whatif: titan/numerics/whatif.py

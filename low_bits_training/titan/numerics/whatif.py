@@ -1,7 +1,7 @@
 """What-if statistics in the trainer: which layers measure which alternatives, and their rows.
 
-``whatif_on`` resolves ``[numerics] whatif*`` against the model at config time (one-line errors; the layers
-it names are built as QuantLinear); ``attach`` gives the built layers their tables; ``whatif_table`` reads the
+``titan.targets.resolve_run`` resolves ``[numerics] whatif*`` against the model at config time (one-line
+errors; the layers it names are built as QuantLinear); ``attach`` gives the built layers their tables; ``whatif_table`` reads the
 layers' ``lbt_whatif`` buffers at the end of a statistics step, reduced over every rank, as
 ``numerics.jsonl`` rows marked ``"whatif": <name>``.
 """
@@ -11,21 +11,9 @@ from __future__ import annotations
 import torch
 
 from low_bits_training.config.whatif import resolve_whatif
-from low_bits_training.nn import ROLE_NAMES, LinearPlan
+from low_bits_training.nn import ROLE_NAMES
 from low_bits_training.nn.whatif import WhatIfLinear, reset
 from low_bits_training.numerics.whatif import whatif_identity, whatif_reduce_ops, whatif_rows
-
-
-def whatif_on(config, plans: dict[str, LinearPlan]) -> dict:
-    """FQN -> ``WhatIf`` of every linear layer that records what-if statistics (config time, strict).
-
-    Raises:
-        ConfigError: see ``config.whatif.resolve_whatif``.
-    """
-    from low_bits_training.titan.quantize import layer_shapes, linear_configs
-
-    fqns = [fqn for fqn, *_ in linear_configs(config.model_spec.model)]
-    return resolve_whatif(config.numerics, fqns, True, layer_shapes(config), plans)
 
 
 def attach(layers: list[tuple[str, torch.nn.Module]], cfg) -> list[tuple[str, WhatIfLinear]]:

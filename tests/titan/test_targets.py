@@ -1,0 +1,154 @@
+"""The registry of plan targets and the run resolved once (titan/target.py, titan/targets.py).
+
+Every kind of target (linear, router, experts, attention products, the wire) is one ``TargetKind``; every
+tool reads one ``ResolvedRun``; the numerics monitor names a NaN wherever it is born, every kind.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, train, write_toml
+from low_bits_training.titan import attention, comm, moe, quantize, targets
+
+PRESETS = sorted(
+    [*REPO.glob("train_configs/debug_*.toml"), *REPO.glob("train_configs/recipes/debug_*.toml")],
+    key=lambda p: p.stem,
+)
+MOE = REPO / "train_configs" / "debug_moe.toml"
+FP8_ATTENTION = REPO / "train_configs" / "recipes" / "debug_fp8_attention.toml"
+
+
+def _load(path: Path, *args: str):
+    from low_bits_training.titan.configure import load_config
+
+    return load_config(path, list(args))
+
+
+def test_every_kind_module_is_one_registry_entry():
+    assert targets.TARGETS == (comm.KIND, quantize.KIND, moe.KIND, attention.KIND)
+    assert len({k.name for k in targets.TARGETS}) == len(targets.TARGETS)
+
+
+def test_no_other_module_enumerates_the_kinds():
+    # A kind's entry points are called by its own module (its KIND) and nowhere else in the package.
+    per_kind = {
+        quantize: ("linear_entries", "convert_linears", "current_linears", "converted_linears"),
+        moe: ("expert_layers", "convert_experts", "expert_plans", "grouped_module_label"),
+        attention: ("attention_layers", "convert_attention", "attention_plans", "product_module_label"),
+        comm: ("apply_comm",),
+    }
+    package = REPO / "low_bits_training"
+    for module, names in per_kind.items():
+        own = Path(inspect.getfile(module))
+        for path in package.rglob("*.py"):
+            if path == own:
+                continue
+            text = path.read_text()
+            for name in names:
+                assert not re.search(rf"\b{name}\(", text), f"{path.relative_to(REPO)} calls {name}"
+
+
+def test_entries_of_the_moe_model_by_kind_and_the_router_stays_high():
+    config = _load(MOE)
+    shapes, kinds = targets.entries(config)
+    by_kind = {}
+    for fqn, shape in shapes.items():
+        by_kind.setdefault(shape.kind, []).append(fqn)
+        assert kinds[fqn].name == {"router": "linear", "qk": "attention", "pv": "attention"}.get(
+            shape.kind, shape.kind
+        )
+    assert len(by_kind["router"]) == 4 and all(f.endswith(".moe.router.gate") for f in by_kind["router"])
+    assert len(by_kind["experts"]) == 12 and len(by_kind["qk"]) == len(by_kind["pv"]) == 4
+    for recipe in ("mxfp8", "fp8_rowwise", "nvfp4", "int8"):  # router gates (8 outputs) fit no block of 32
+        plans = targets.resolve_run(_load(MOE, "--quantize.recipe", recipe)).plans
+        assert all(plans[f].is_high_precision for f in by_kind["router"]), recipe
+        assert not plans["layers.0.attention.wo"].is_high_precision, recipe
+
+
+def test_a_rule_that_names_the_router_reaches_it():
+    from low_bits_training.config.plan import QuantRule
+
+    config = _load(MOE)
+    rule = QuantRule(layers=["layers.0.moe.router.gate"], format="e4m3", scaling="tensor")
+    config.quantize.rules = [*config.quantize.rules, rule]
+    plans = targets.resolve_run(config).plans
+    assert plans["layers.0.moe.router.gate"].specs[0].elem.name == "e4m3"
+    assert plans["layers.1.moe.router.gate"].is_high_precision
+
+
+PHASE_AT_0 = {"phases": [{"start": 0, "recipe": "bf16"}], "recipe": "mxfp8"}
+
+
+@pytest.mark.parametrize("path", [*PRESETS, "phase-at-step-0"], ids=lambda p: getattr(p, "stem", p))
+def test_doctor_equals_launcher_and_resolves_once(tmp_path, monkeypatch, path):
+    from low_bits_training.cli.config_checks import layer_backends, resolve_run
+    from low_bits_training.config.backends import GEMMS, detect_hardware, gemm_backend
+
+    monkeypatch.chdir(REPO)
+    if path == "phase-at-step-0":  # the launcher trains the phase's plan from step 1: doctor shows it too
+        path = write_toml(tmp_path / "phase.toml", quantize=PHASE_AT_0)
+    before = targets.RESOLUTIONS[0]
+    status, config = resolve_run(str(path), ["--dump_folder", str(tmp_path / "out")])
+    assert status.status == "OK", status.detail
+    doctor = layer_backends(config, detect_hardware())
+    targets.save_plan(config, tmp_path / "run")
+    assert targets.RESOLUTIONS[0] - before == 1  # build, doctor's rows and the plan files: one resolution
+    plans, labels = targets.current_plans(config)  # what the built model holds, read from its tree
+    built = {f: (labels[f], tuple(gemm_backend(p, g) for g in GEMMS)) for f, p in plans.items()}
+    assert doctor == built
+    if "phase" in path.stem:
+        assert all(p.is_high_precision for p in plans.values())
+    saved = json.loads((tmp_path / "run" / "precision_plan.json").read_text())
+    assert len(saved) == len(plans)
+
+
+def _stops_at(run, module: str, role: str, step: int = 2) -> None:
+    assert run.returncode == 3, run.log[-4000:]
+    assert run.log.strip().splitlines()[-1] == (
+        f"low-bits-training: stopped: non-finite value (NaN/Inf) first seen at step {step}, "
+        f"module {module}, role {role}, rank 0"
+    )
+
+
+NAN_ARGS = ("--override.imports", "tests.titan.nan_override.nan_embedding", "--numerics.nonfinite", "stop")
+
+
+@pytest.mark.parametrize(
+    "config,args,module,role",
+    [
+        (MOE, (), "layers.0.moe.routed_experts.inner_experts.w1", "forward.input"),
+        (FP8_ATTENTION, ("--quantize.recipe", "bf16"), "layers.0.attention.qk", "forward.input"),
+    ],
+    ids=["expert", "qk"],
+)
+@pytest.mark.parametrize("compiled,nproc", [(False, 1), (True, 2)], ids=["eager-1rank", "compiled-2ranks"])
+def test_a_nan_in_an_expert_or_in_qk_is_named_and_stops(
+    tmp_path, config, args, module, role, compiled, nproc
+):
+    extra = ("--compile.enable",) if compiled else ()
+    run = train(
+        tmp_path,
+        *NAN_ARGS,
+        *args,
+        *extra,
+        "--training.steps",
+        "3",
+        "--checkpoint.no-enable",
+        "--numerics.stats_freq",
+        "1",
+        config=config,
+        nproc=nproc,
+        check=False,
+        env={"LBT_TEST_NAN_CALL": "2"},  # the embedding's second forward: step 2
+    )
+    _stops_at(run, module, role)
+    rows = [json.loads(line) for line in (run.folder / "numerics.jsonl").read_text().splitlines()]
+    named = {r["layer"] for r in rows if r["step"] == 1}  # step 1's statistics cover the target's kind
+    kind = module.rsplit(".", 1)[0]
+    assert {f"{kind}.{n}" for n in (("w1", "w2", "w3") if "experts" in kind else ("qk", "pv"))} <= named
