@@ -24,3 +24,18 @@ def test_the_documented_precision_grid_is_the_shipped_one():
 def test_the_optimizer_presets_are_seeded():
     presets = sorted((REPO / "train_configs" / "optim").glob("*.toml"))
     assert presets and all(tomllib.loads(p.read_text()).get("debug", {}).get("seed") == 0 for p in presets)
+
+
+def test_the_profiling_preset_writes_one_trace_window():
+    """torch's profiler dumps a window at its end (RECORD_AND_SAVE) and, at exit, whatever a cycle is still
+    recording: with a second cycle under way at the last step the preset wrote a stray ``iteration_8``."""
+    from torch.profiler import ProfilerAction, schedule
+
+    preset = tomllib.loads((REPO / "train_configs" / "debug_model_profiling.toml").read_text())
+    p, steps = preset["profiler"], preset["training"]["steps"]
+    wait = p["profile_freq"] - p["profiler_warmup"] - p["profiler_active"]
+    action = schedule(wait=wait, warmup=p["profiler_warmup"], active=p["profiler_active"],
+                      repeat=p.get("profiler_repeat", 0))  # fmt: skip
+    # torchtitan steps the profiler once per training step: profiler step N ends training step N + 1
+    assert [n + 1 for n in range(steps) if action(n) == ProfilerAction.RECORD_AND_SAVE] == [5]
+    assert action(steps) == ProfilerAction.NONE  # nothing recording when the run ends
