@@ -285,8 +285,17 @@ def select_roles(patterns: list[str], where: str) -> list[str]:
     return [r for r in ROLE_NAMES if any(fnmatch.fnmatchcase(r, p) for p in patterns)]
 
 
+_BOUND_OPTIONS = {"four_over_six": "off", "amax_history": 0}
+"""Options a spec holds only with some formats / scalings (4over6: e2m1 blocks; delayed: tensor scaling)."""
+
+
 def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSpec | None:
     """The spec a rule turns ``current`` into (None: high precision).
+
+    A rule that sets ``format`` keeps the fields of ``current`` it leaves unset, except the options bound to
+    a format or scaling (``_BOUND_OPTIONS``) that the new spec cannot hold: those fall back to their
+    defaults, so a preset's rule ("these layers in e4m3 blocks") composes with any recipe (nvfp4_4over6,
+    fp8_delayed). An option the rule itself sets is never dropped.
 
     Raises:
         ConfigError: an invalid field value (QuantSpec's own message, prefixed with the rule's key).
@@ -295,11 +304,17 @@ def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSp
         return None
     changes = {k: getattr(rule, k) for k in _SPEC_FIELDS if getattr(rule, k) is not None}
     try:
-        if rule.format is not None:
-            base = dataclasses.asdict(current) if current is not None else {}
-            base.update(format=rule.format, **changes)
+        if rule.format is None:
+            return None if current is None else dataclasses.replace(current, **changes)
+        base = dataclasses.asdict(current) if current is not None else {}
+        base.update(format=rule.format, **changes)
+        try:
             return QuantSpec(**base)
-        return None if current is None else dataclasses.replace(current, **changes)
+        except ValueError:
+            inherited = {k: v for k, v in _BOUND_OPTIONS.items() if k not in changes}
+            if not inherited or all(base.get(k, v) == v for k, v in inherited.items()):
+                raise
+            return QuantSpec(**{**base, **inherited})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
 

@@ -153,3 +153,17 @@ def test_python_constructors_have_the_recipes_numerics():
     assert QuantSpec.mxfp8().scale_rounding == "rceil"  # torchao's training default (the OCP rule is floor)
     with pytest.raises(ValueError, match=r"^unknown recipe 'mxfp9': expected one of bf16, fp8_tensorwise,"):
         LinearPlan.from_recipe("mxfp9")
+
+
+def test_a_rule_with_a_new_format_drops_the_bound_options_it_cannot_hold():
+    from low_bits_training.config.plan import QuantRule, rule_spec
+
+    nvfp4_4over6 = QuantSpec("e2m1", "block", block_size=16, scale_format="ue4m3", four_over_six="mse")
+    mx = rule_spec(QuantRule(format="e4m3", block_size=32, scale_format="e8m0"), nvfp4_4over6, "q.rules[0]")
+    assert mx.four_over_six == "off" and mx.elem.name == "e4m3" and mx.block_size == 32
+    delayed = QuantSpec("e4m3", "tensor", amax_history=16)
+    assert rule_spec(QuantRule(format="e5m2"), delayed, "q").amax_history == 16  # it holds: kept
+    blocks = rule_spec(QuantRule(format="e4m3", scaling="block", block_size=32), delayed, "q")
+    assert blocks.amax_history == 0
+    with pytest.raises(ConfigError, match=r"^q: .*four_over_six"):  # set by the rule itself: refused
+        rule_spec(QuantRule(format="e4m3", scaling="block", four_over_six="mse"), None, "q")

@@ -152,3 +152,28 @@ def test_a_nan_in_an_expert_or_in_qk_is_named_and_stops(
     named = {r["layer"] for r in rows if r["step"] == 1}  # step 1's statistics cover the target's kind
     kind = module.rsplit(".", 1)[0]
     assert {f"{kind}.{n}" for n in (("w1", "w2", "w3") if "experts" in kind else ("qk", "pv"))} <= named
+
+
+def test_every_recipe_resolves_on_every_debug_preset():
+    # ``--quantize.recipe R`` on any debug preset (its own rules kept) is a plan the run can build.
+    import dataclasses
+
+    from low_bits_training.config.recipes import RECIPES
+
+    failures = []
+    for path in PRESETS:
+        config = _load(path)
+        for recipe in RECIPES:
+            try:
+                targets.resolve_run(config, None, dataclasses.replace(config.quantize, recipe=recipe))
+            except Exception as e:  # collected: the assertion names every failing pair
+                failures.append(f"{path.stem} + {recipe}: {str(e).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_mxfp8_recipe_trains_on_the_moe_preset(tmp_path):
+    run = train(tmp_path, "--quantize.recipe", "mxfp8", "--training.steps", "2", "--checkpoint.no-enable",
+                config=MOE)  # fmt: skip
+    assert len(run.losses) == 2 and all(v == v for v in run.losses.values())  # finite, both steps
+    table = (run.folder / "precision_plan.txt").read_text()
+    assert "layers.[0-3].moe.router.gate" in table and "QuantGroupedExperts" in table
