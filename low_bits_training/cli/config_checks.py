@@ -1,4 +1,4 @@
-"""Checks that need the run's config: does it resolve as the launcher resolves it, which backend runs each
+"""Checks that need the run's config: does it pass the launcher's own check, which backend runs each
 linear layer on this hardware (the resolved plan: ``config.backends.gemm_backend``, the answer the plan table
 gives), does that combination suit torch.compile, are its data and tokenizer reachable, is there disk for its
 checkpoints."""
@@ -35,24 +35,46 @@ def cpu_adapters_once() -> None:
         cpu.install_device_module()
 
 
-def resolve_run(config_file: str | None, args: list[str]) -> tuple[Check, Any]:
-    """Resolve and validate the run exactly as the launcher does (``titan.launch.build_config``: TOML,
-    overrides, torchtitan's checks, the precision plan, datasets and tokenizer); a ConfigError is a FAIL.
+def resolve_run(
+    config_file: str | None, args: list[str], env: dict[str, str] | None = None
+) -> tuple[Check, Any]:
+    """Resolve and check the run with the launcher's own check (``titan.launcher.check``: TOML, overrides,
+    torchtitan's checks, the precision plan, datasets and tokenizer, value ranges, parallel degrees against
+    ``NGPU`` processes, the checkpoint it would resume from); a refusal is a FAIL.
 
     Returns:
         The check and the built config (None when it did not resolve).
     """
     from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan.launch import build_config
+    from low_bits_training.titan.checkpoint import CheckpointError
+    from low_bits_training.titan.launcher import check
 
+    processes = _processes(env if env is not None else dict(os.environ))
     try:
-        config = build_config((["--config-file", config_file] if config_file else []) + list(args))
+        config, resume = check(
+            (["--config-file", config_file] if config_file else []) + list(args), processes
+        )
     except ConfigError as e:
         return Check("config", "FAIL", str(e), "fix the key named above"), None
+    except CheckpointError as e:
+        return Check("config", "FAIL", f"checkpoint refused: {e}", "pick another dump_folder or fix it"), None
     except SystemExit:  # tyro rejected a flag (it printed why)
         return Check("config", "FAIL", f"bad command-line override in {args}", "see the message above"), None
-    where = f"{config_file or 'base'} -> {config.job.base}, dump_folder {config.dump_folder}"
+    start = f"resumes from {resume}" if resume else "a fresh start"
+    where = (
+        f"{config_file or 'base'} -> {config.job.base}, dump_folder {config.dump_folder}, {processes} "
+        f"process(es), {start}"
+    )
     return Check("config", "OK", where), config
+
+
+def _processes(env: dict[str, str]) -> int:
+    """The processes ``run_llama_train.sh`` would start: ``NGPU``, else the visible GPUs, else 1."""
+    if env.get("NGPU", "").isdigit() and int(env["NGPU"]) > 0:
+        return int(env["NGPU"])
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
 def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -226,7 +248,7 @@ def config_checks(
         The checks and whether the config asks for W&B.
     """
     cpu_adapters_once()
-    status, config = resolve_run(config_file, args)
+    status, config = resolve_run(config_file, args, env)
     if config is None:
         return [status], False
     checks = [status, check_backends(config, hw), check_compile(config, hw)]

@@ -108,12 +108,15 @@ def _make_cpu_device_module() -> types.ModuleType:
 
 
 def install_device_module() -> None:
-    """Point torchtitan's ``device_type``/``device_module`` at the CPU (adapter 1).
+    """Point torchtitan's ``device_type``/``device_module`` at the CPU (adapter 1); a no-op once it is in.
 
     Raises:
         RuntimeError: a torchtitan module that copies ``device_type`` was imported before this call, so it
             already holds ``"cuda"``.
     """
+    tt = sys.modules.get("torchtitan.tools.utils")
+    if getattr(tt, "device_type", None) == "cpu":
+        return  # already in (the launcher's check, then doctor's, in one process)
     early = [m for m in _COPIERS if m in sys.modules]
     if early:
         raise RuntimeError(

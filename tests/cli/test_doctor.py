@@ -271,3 +271,19 @@ def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch
         assert built[fqn] == cls, (fqn, label, built[fqn])
     kinds = {label.split(" (")[0] for label, _ in table_view.values()}
     assert len(kinds) >= 3, kinds  # mixed models: high, ours or torchtitan's, torchao's
+
+
+def test_doctor_runs_the_launchers_whole_check(clean_env):
+    # A parallel layout the launcher refuses for NGPU processes (validate.check_run) is a FAIL here too,
+    # with the launcher's own line.
+    from low_bits_training.cli.config_checks import resolve_run
+    from low_bits_training.titan.launcher import check
+
+    args = ["--parallelism.tensor_parallel_degree", "2", "--dump_folder", str(clean_env / "out")]
+    status, config = resolve_run("train_configs/debug_model.toml", args, {"NGPU": "1"})
+    assert status.status == "FAIL" and config is None
+    with pytest.raises(Exception) as launcher:
+        check(["--config-file", "train_configs/debug_model.toml", *args], 1)
+    assert status.detail == str(launcher.value)
+    status, _ = resolve_run("train_configs/debug_model.toml", args, {"NGPU": "2"})
+    assert status.status == "OK" and "2 process(es), a fresh start" in status.detail
