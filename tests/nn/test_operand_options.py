@@ -155,3 +155,18 @@ def test_quant_linear_plain_state_tuple_still_works():
     x, w, _ = operands(m=32, k=64, n=48)
     y = quant_linear(x, w, None, plan_for("nvfp4_no_sr"))
     assert y.shape == (32, 48)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rht_does_not_raise_the_wgrad_sqnr_of_nvfp4_with_outlier_tokens(seed):
+    # The docs' claim for NVFP4 (docs/precision_plan.md, "Hadamard transforms"): its exact ue4m3 block scales
+    # do not clip a block's outlier, so the RHT brings no per-GEMM SQNR gain on these outlier tokens.
+    x, w, dy = _outlier_tokens(seed)
+    ref = linear_grads(x, w, dy, None)[2]
+    nv = QuantSpec.nvfp4()
+    plain = LinearPlan.from_roles(dict.fromkeys(ROLE_NAMES, nv))
+    rotated = _with(dict.fromkeys(ROLE_NAMES, nv), ["wgrad.grad_output", "wgrad.input"], rht=16)
+    s_plain = sqnr_db(linear_grads(x, w, dy, plain)[2], ref)
+    s_rht = sqnr_db(linear_grads(x, w, dy, rotated)[2], ref)
+    print(f"nvfp4 wgrad SQNR, seed {seed}: {s_plain:.2f} -> {s_rht:.2f} dB with RHT-16")
+    assert s_rht < s_plain + 0.2, (s_plain, s_rht)
