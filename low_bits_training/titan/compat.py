@@ -1,4 +1,4 @@
-"""Every use of a private torchtitan / torch name, in one place (the CPU adapters excepted: ``cpu.py``).
+"""Every use of a private torchtitan / torch / torchao name, in one place (the CPU adapters excepted: ``cpu.py``).
 
 Private names change without notice. Each shim here says which upstream line it answers, and ``UPSTREAM``
 records where that code stood and a digest of its source in the pinned versions (torch 2.14.1, torchtitan
@@ -84,6 +84,55 @@ UPSTREAM: dict[str, Upstream] = {
         0,
         "",  # a table: the test compares its keys with memory_categories()
         "the order of the categories in export_memory_timeline's JSON (we draw the plot ourselves)",
+    ),
+    "float8_grouped_experts": Upstream(
+        "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls",
+        179,
+        "d99600deb1d500b3",
+        "torchtitan's Float8GroupedExperts class for an experts module class (its MoE fp8 converter's own)",
+    ),
+    "mxfp8_grouped_experts": Upstream(
+        "torchtitan.components.quantization.mx:_get_mxfp8_grouped_experts_cls",
+        104,
+        "2277066a8557068f",
+        "torchtitan's MXFP8GroupedExperts class for an experts module class (its MoE MXFP8 converter's own)",
+    ),
+    "config_owner": Upstream(
+        "torchtitan.config.configurable:Configurable.__init_subclass__",
+        162,
+        "4befc18bf4a1cc7b",
+        "a nested Config class's ``_owner``: the module class its ``build()`` makes",
+    ),
+    "token_permute": Upstream(
+        "torchtitan.models.common.token_dispatcher:TorchAOTokenDispatcher._permute",
+        733,
+        "b2e1d382df3284d5",
+        "the padding dispatcher's permute, which titan/moe.py's PaddedTokenDispatcher overrides (triton-free)",
+    ),
+    "qwen3_builders": Upstream(
+        "torchtitan.models.qwen3:_build_qwen3_moe_layers",
+        134,
+        "5a33447d848033c1",
+        "torchtitan's Qwen3-MoE layer builder (and its _qwen3_norm, _EMBEDDING_INIT, _LINEAR_INIT), for the "
+        "CPU-sized MoE base",
+    ),
+    "dtensor_local_offset": Upstream(
+        "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
+        93,
+        "bd20cb9d5463d478",
+        "where a rank's DTensor shard starts (optim/dist.py imports it directly: optim sits below titan)",
+    ),
+    "cpu_amx": Upstream(
+        "torch.cpu:_is_amx_tile_supported",
+        102,
+        "cd8eeae518a7a395",
+        "whether the CPU has AMX tiles (nn/kernels.py cpu_bf16_gemm, below titan: read directly)",
+    ),
+    "cpu_avx512_bf16": Upstream(
+        "torch.cpu:_is_avx512_bf16_supported",
+        91,
+        "28fa7aa703299622",
+        "whether the CPU has AVX512-BF16 dot products (nn/kernels.py cpu_bf16_gemm, below titan: read directly)",
     ),
     "fsdp_all_gather": Upstream(
         "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather",
@@ -294,3 +343,36 @@ def fsdp_sharded_local(fsdp_param: Any) -> Any:
     """A parameter's local shard tensor (``FSDPParam._sharded_local_tensor``): torchao's Float8 weight
     wrapper carries ``fsdp_pre_all_gather`` there."""
     return fsdp_param._sharded_local_tensor
+
+
+# --- torchtitan's MoE pieces -------------------------------------------------------------------------------
+
+
+def grouped_experts_class(kind: str, experts_cls: type) -> type:
+    """torchtitan's torchao experts class for ``experts_cls``: ``kind`` "float8" (components/quantization/
+    float8.py ``_get_float8_grouped_experts_cls``, line 179) or "mxfp8" (mx.py ``_get_mxfp8_grouped_experts_cls``,
+    line 104), the classes its MoE converters build."""
+    if kind == "float8":
+        from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls as get
+    else:
+        from torchtitan.components.quantization.mx import _get_mxfp8_grouped_experts_cls as get
+    return get(experts_cls)
+
+
+def config_owner(config_cls: type) -> type | None:
+    """The module class a nested ``Config`` class builds (``_owner``, set by ``Configurable.__init_subclass__``,
+    line 162), or None."""
+    return getattr(config_cls, "_owner", None)
+
+
+def torchao_config_of(linear_config: Any) -> Any:
+    """torchao's config carried by a torchtitan float8 linear config (its ``_torchao_config`` field), or None."""
+    return getattr(linear_config, "_torchao_config", None)
+
+
+def qwen3_builders() -> tuple[Any, Any, Any, Any]:
+    """torchtitan's Qwen3 builders (models/qwen3/__init__.py): ``(embedding init, linear init, MoE layers
+    builder, norm builder)``, private there (``_EMBEDDING_INIT`` ... ``_build_qwen3_moe_layers`` line 134)."""
+    from torchtitan.models import qwen3
+
+    return qwen3._EMBEDDING_INIT, qwen3._LINEAR_INIT, qwen3._build_qwen3_moe_layers, qwen3._qwen3_norm

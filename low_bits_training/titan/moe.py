@@ -41,6 +41,7 @@ from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
 from low_bits_training.nn.torchao_modules import TorchaoGroupedRecipe, torchao_grouped_recipe
+from low_bits_training.titan.compat import config_owner, grouped_experts_class, qwen3_builders
 from low_bits_training.titan.target import TargetKind, TitanQuantState
 
 WEIGHTS = ("w1", "w2", "w3")
@@ -97,7 +98,9 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
     class Config(TorchAOTokenDispatcher.Config):
         pass
 
-    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+    def _permute(
+        self, routed_input_RD, num_global_tokens_per_local_expert_E
+    ):  # compat.UPSTREAM token_permute
         ranks = self.ep_mesh.size() if self.ep_mesh is not None else 1
         experts = num_global_tokens_per_local_expert_E.shape[0] // ranks
         shape, x, idx, sizes = pad_token_groups(
@@ -162,7 +165,7 @@ def expert_plans(model_config) -> dict[str, tuple[LinearPlan, str]]:
     out = {}
     for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
         plans = getattr(cfg, "plans", {})
-        owner = getattr(type(cfg), "_owner", None)
+        owner = config_owner(type(cfg))
         label = owner.__name__ if owner is not None else type(cfg).__qualname__.split(".")[0]
         if isinstance(cfg, TitanQuantGroupedExperts.Config):
             label = "QuantGroupedExperts"
@@ -219,8 +222,6 @@ def _planned(kernel_cls: type) -> type:
 
 
 def _torchao_config(cfg, recipe: TorchaoGroupedRecipe, name: str, plans: dict[str, LinearPlan], parent):
-    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
-    from torchtitan.components.quantization.mx import _get_mxfp8_grouped_experts_cls
     from torchtitan.components.quantization.utils import swap_token_dispatcher
 
     if name == recipe.emulated_name:  # torchao's permute_and_pad is triton-only: our static-shape padding
@@ -232,9 +233,9 @@ def _torchao_config(cfg, recipe: TorchaoGroupedRecipe, name: str, plans: dict[st
         swap_token_dispatcher(parent, recipe.pad_multiple)
     base = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     if recipe.module == "Float8GroupedExperts":
-        cls = _planned(_get_float8_grouped_experts_cls(type(cfg)._owner))
+        cls = _planned(grouped_experts_class("float8", config_owner(type(cfg))))
         return cls.Config(**base, plans=plans)
-    cls = _planned(_get_mxfp8_grouped_experts_cls(type(cfg)._owner))
+    cls = _planned(grouped_experts_class("mxfp8", config_owner(type(cfg))))
     return cls.Config(**base, recipe_name=name, plans=plans)
 
 
@@ -319,22 +320,17 @@ KIND = TargetKind(
 
 def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):
     # torchtitan's own builders (models/qwen3/__init__.py) at a size that trains on a laptop CPU.
-    from torchtitan.models.qwen3 import (
-        _EMBEDDING_INIT,
-        _LINEAR_INIT,
-        _build_qwen3_moe_layers,
-        _qwen3_norm,
-    )
     from torchtitan.models.qwen3.model import Qwen3Model
 
     head_dim = 32
+    embedding_init, linear_init, build_moe_layers, norm = qwen3_builders()
     return Qwen3Model.Config(
         vocab_size=vocab,
         dim=dim,
-        norm=_qwen3_norm(dim),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_moe_layers(
+        norm=norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=embedding_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=linear_init),
+        layers=build_moe_layers(
             n_layers=n_layers,
             dim=dim,
             n_heads=dim // head_dim,

@@ -29,6 +29,7 @@ from low_bits_training.config.plan import LayerShape
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.state import HISTORY_BUFFER, STATE_BUFFERS
 from low_bits_training.nn.whatif import WhatIfLinear
+from low_bits_training.titan.compat import torchao_config_of
 from low_bits_training.titan.target import TargetKind, TitanQuantState
 
 
@@ -146,7 +147,7 @@ def module_label(cfg) -> str:
     if type(cfg) in _ours():
         return plan_module_label(getattr(cfg, "plan", LinearPlan()))
     if type(cfg).__module__.startswith("torchtitan.components."):
-        ao = getattr(cfg, "_torchao_config", None)
+        ao = torchao_config_of(cfg)
         if ao is None:
             return f"torchtitan {name}"
         from low_bits_training.titan.torchao_backend import float8_label
