@@ -97,17 +97,18 @@ def _model(rows: int = HID) -> nn.Sequential:
     return nn.Sequential(nn.Linear(IN, rows, bias=False), nn.Linear(rows, OUT, bias=False))
 
 
-def _shard(model: nn.Sequential, cfg: CommConfig) -> nn.Sequential:
+def _shard(model: nn.Sequential, cfg: CommConfig, param_dtype: torch.dtype | None = None) -> nn.Sequential:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from low_bits_training.titan import comm
     from low_bits_training.titan.cpu import force_sum_reductions
 
     mesh = init_device_mesh("cpu", (2,))
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     for m in model.modules():  # as torchtitan (divide factor 1) on gloo (plain SUM): gradients are summed
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -116,7 +117,7 @@ def _shard(model: nn.Sequential, cfg: CommConfig) -> nn.Sequential:
     return model
 
 
-def _gathered(cfg: CommConfig, rows: int) -> dict[str, torch.Tensor]:
+def _gathered(cfg: CommConfig, rows: int, param_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The weights each layer's forward sees after the (quantized) all-gather."""
     model = _model(rows)
     seen = {}
@@ -124,7 +125,7 @@ def _gathered(cfg: CommConfig, rows: int) -> dict[str, torch.Tensor]:
         layer.register_forward_pre_hook(
             lambda m, a, i=i: seen.__setitem__(f"{i}.weight", m.weight.detach().clone())
         )
-    _shard(model, cfg)(torch.randn(4, IN))
+    _shard(model, cfg, param_dtype)(torch.randn(4, IN, dtype=param_dtype or torch.float32))
     return seen
 
 
@@ -221,6 +222,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         "tensor_padded": _gathered(
             CommConfig(all_gather=WireFormat(format="e4m3", scaling="tensor"), **all_gather_only), ODD
         ),
+        "tensor_bf16": _gathered(
+            CommConfig(all_gather=WireFormat(format="e4m3", scaling="tensor"), **all_gather_only),
+            HID,
+            torch.bfloat16,
+        ),
         "local": _local_grads(rank),
         "nearest": _sharded_grads(CommConfig(reduce_scatter=E4M3_BLOCK_NEAREST), rank)[0],
         "high": _sharded_grads(CommConfig(reduce_scatter=WireFormat()), rank)[0],
@@ -253,6 +259,22 @@ def test_all_gathered_weight_is_fake_quantize_of_the_full_weight(two_ranks, case
             expect = fake_quantize(w, QuantSpec("e4m3", spec))
             assert not torch.equal(expect, w)  # the format changed something
             torch.testing.assert_close(two_ranks[rank][case][name], expect, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_all_gather_in_bf16_casts_the_fp32_weight_once(two_ranks):
+    # bf16 param dtype (torchtitan's default): the gathered weight is the fp32 weight's cast, stored in bf16
+    # (one rounding of q * scale), not the cast of FSDP2's bf16 copy (fp32 -> bf16 -> e4m3).
+    for rank in range(2):
+        for name, w in _full().items():
+            once = fake_quantize(w, QuantSpec("e4m3", "tensor")).to(torch.bfloat16)
+            twice = fake_quantize(w.to(torch.bfloat16).float(), QuantSpec("e4m3", "tensor")).to(
+                torch.bfloat16
+            )
+            got = two_ranks[rank]["tensor_bf16"][name]
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, once, rtol=0, atol=0)
+            assert (twice != once).float().mean() > 0.005  # the double rounding this avoids changes codes
 
 
 def _shard_of(t: torch.Tensor, rank: int) -> torch.Tensor:
