@@ -1,13 +1,57 @@
-"""Test session setup: CPU adapters before any torchtitan import, one inductor cache per session."""
+"""Test session setup: CPU adapters before any torchtitan import, the inductor cache, the two tiers.
 
+Tiers (README, "The two commands"): ``./run_tests.sh`` runs ``-m "not slow or smoke"``, every unit test plus
+the one launcher run marked ``smoke``; ``./run_tests.sh --all`` (and CI) runs everything. The ``slow`` mark
+is given here, at collection, by the rule in ``tiers.py`` (what a test calls: the training helper, a
+process, a compile), never by hand.
+"""
+
+import hashlib
 import os
-import tempfile
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
-# One compiled-graph cache per test session (../shared/DESIGN.md: stale entries crash torchao's low-bit optimizers).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="lbt-inductor-"))
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "low_bits_training"
+
+
+def inductor_cache_dir() -> Path:
+    """The compiled-kernel cache of this source: ``$XDG_CACHE_HOME/lbt-inductor/<key>`` (default
+    ``~/.cache``), the key a hash of Python's, torch's and torchao's versions and every ``.py`` file of the
+    package. A rerun of the same source reuses its kernels; a changed source or stack starts a new folder, so
+    entries of another source never mix in (../shared/DESIGN.md: stale entries crash torchao's low-bit
+    optimizers). Old folders stay until deleted (``rm -r ~/.cache/lbt-inductor``)."""
+    h = hashlib.sha256()
+    for part in (sys.version, version("torch"), version("torchao")):
+        h.update(part.encode() + b"\0")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "lbt-inductor" / h.hexdigest()[:16]
+
+
+# A test (or a caller) that sets its own cache keeps it; the training runs tests start inherit this one.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from low_bits_training.titan import cpu  # noqa: E402
 
 if cpu.needs_cpu_adapters():
     cpu.install_device_module()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark ``slow`` every test that ``tiers.slow_reason`` finds slow (its function and its fixtures')."""
+    from tiers import slow_objects, slow_reason
+
+    slow = slow_objects()
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        params = item.callspec.params if hasattr(item, "callspec") else None
+        if slow_reason([item.function, *fixtures], slow, params):
+            item.add_marker(pytest.mark.slow)

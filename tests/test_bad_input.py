@@ -175,7 +175,6 @@ def _toml(tmp_path, **sections) -> Path:
     return write_toml(tmp_path / "bad.toml", **sections)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, expect",
     [
@@ -190,7 +189,6 @@ def test_bad_toml_through_the_launcher(tmp_path, previous_run, case, expect):
     _refused(tmp_path, previous_run, config=_toml(tmp_path, **case), expect=expect)
 
 
-@pytest.mark.slow
 def test_negative_learning_rate_is_refused(tmp_path, previous_run):
     groups = tomllib.loads(DEBUG_TOML.read_text())["optimizer"]["param_groups"]
     groups[0]["optimizer_kwargs"]["lr"] = -3e-3
@@ -202,7 +200,6 @@ def test_negative_learning_rate_is_refused(tmp_path, previous_run):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "content, expect",
     [(b"\x00\x9f\xffPK\x03\x04binary", "not a text file"), (b"", "empty (no keys)")],
@@ -214,7 +211,6 @@ def test_binary_and_empty_toml(tmp_path, previous_run, content, expect):
     _refused(tmp_path, previous_run, config=path, expect=f"CONFIG_FILE = '{path}': {expect}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expect",
     [
@@ -228,7 +224,6 @@ def test_bad_flags(tmp_path, previous_run, args, expect):
     _refused(tmp_path, previous_run, *args, expect=expect)
 
 
-@pytest.mark.slow
 def test_degrees_that_do_not_fit_the_processes(tmp_path, previous_run):
     _refused(
         tmp_path,
@@ -246,7 +241,6 @@ def _truncate_largest(folder: Path) -> None:
         f.truncate(victim.stat().st_size // 2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, damage, nproc, expect",
     [
@@ -304,7 +298,6 @@ def test_comm_formats_without_their_collective_are_refused(tmp, comm, nproc, arg
     assert str(e.value).startswith(expect) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.slow
 def test_comm_formats_on_one_rank_through_the_launcher(tmp_path, previous_run):
     comm, nproc, args, expect = COMM_CASES[0]
     cfg = _toml(tmp_path, quantize={"recipe": "bf16", "comm": comm})

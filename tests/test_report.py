@@ -20,7 +20,6 @@ def _run(tmp_path, name, recipe):
     return train(tmp_path / name, "--training.steps", "2", "--checkpoint.no-enable", config=cfg)
 
 
-@pytest.mark.slow
 def test_report_from_two_real_runs(tmp_path):
     runs = [_run(tmp_path, "mx", "mxfp8"), _run(tmp_path, "int8", "int8")]
     for run in runs:  # statistics reached numerics.jsonl and the metrics loggers

@@ -41,7 +41,6 @@ def test_derive_key_is_stable_across_processes():
     assert derive_key(0, 1) == 5883142680259666304
 
 
-@pytest.mark.slow
 def test_compiled_bits_and_stochastic_rounding_equal_eager():
     k = torch.tensor(987654321, dtype=torch.int64)
     x = torch.randn(128, 64)

@@ -162,7 +162,7 @@ def _step(module, fn, q, k, v, do):
 
 
 @pytest.mark.parametrize(
-    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+    "backend", ["aot_eager", "inductor"]
 )  # aot_eager: the whole graph is captured (fullgraph) and traced through autograd, seconds instead of minutes
 def test_compiled_fullgraph_equals_eager(backend):
     q, k, v, do = operands(b=1, n=2, nkv=1, seq=64, h=32)

@@ -66,7 +66,6 @@ def _step(model, x, run=None):
     return [y.detach(), xg.grad, *grads], torch.stack([m.lbt_stats.clone() for m in model])
 
 
-@pytest.mark.slow
 def test_every_recipe_compiles_fullgraph_and_equals_eager():
     assert "nvfp4" in QUANTIZED and any(
         s is not None and s.rounding == "stochastic" for r in QUANTIZED for s in RECIPES[r].values()

@@ -68,7 +68,6 @@ def test_without_a_step_key_the_global_rng_is_used(x):
     assert torch.equal(a[2], b[2]) and not torch.equal(b[2], c[2])
 
 
-@pytest.mark.slow
 def test_compiled_layer_rounds_like_eager_bit_for_bit(x):
     eager, comp = _layer(), _layer()
     compiled = torch.compile(comp, fullgraph=True)

@@ -51,7 +51,6 @@ def _worker(rank: int, port: int, out: dict) -> None:
     leave_worker()
 
 
-@pytest.mark.slow
 def test_tp_shards_match_unsharded():
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)

@@ -179,7 +179,6 @@ def test_block_dynamic_range_against_a_loop(spec):
     assert s["mse"] == pytest.approx((x - fake_quantize(x, spec)).square().mean().item(), rel=1e-6)
 
 
-@pytest.mark.slow
 def test_compiled_records_what_eager_records():
     out = {}
     for mode in ("eager", "compiled"):

@@ -112,7 +112,6 @@ def test_config_errors_are_one_line(kw):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.slow
 def test_compiled_layers_record_the_same_statistics_and_flags(tmp_path, x):
     # The probes live inside the graph: a fullgraph-compiled model gives the eager rows and the same first NaN.
     out = {}

@@ -32,7 +32,6 @@ def _worker(rank: int, port: int, out: str) -> None:
     leave_worker()
 
 
-@pytest.mark.slow
 def test_two_rank_reduction_equals_one_rank(tmp_path):
     out = str(tmp_path / "raw")
     mp.start_processes(_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")

@@ -83,7 +83,6 @@ def test_high_precision_quant_attention_is_the_cpu_adapters_attention():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.slow
 def test_bad_block_size_through_the_launcher(tmp_path):
     rule = {"layers": ["layers.*.attention.qk"], "format": "e4m3", "scaling": "block", "block_size": 48}
     run = train(tmp_path, config=write_toml(tmp_path / "bad.toml", quantize={"rules": [rule]}), check=False)
@@ -97,7 +96,6 @@ def test_bad_block_size_through_the_launcher(tmp_path):
     assert not (run.folder / "precision_plan.txt").exists()
 
 
-@pytest.mark.slow
 def test_debug_model_trains_with_fp8_attention(tmp_path):
     steps = ("--training.steps", "10", "--checkpoint.no-enable")
     base = train(tmp_path / "base", *steps).losses

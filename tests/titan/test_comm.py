@@ -251,7 +251,6 @@ def _full(rows: int = HID) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in _model(rows).named_parameters()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case, rows, spec", [("axis", HID, "axis"), ("tensor_padded", ODD, "tensor")])
 def test_all_gathered_weight_is_fake_quantize_of_the_full_weight(two_ranks, case, rows, spec):
     for rank in range(2):
@@ -287,7 +286,6 @@ def _blocks_quantized(g: torch.Tensor, rank: int) -> torch.Tensor:
     return fake_quantize(chunk.reshape(-1, BLOCK), QuantSpec("e4m3", "axis")).reshape(chunk.shape)
 
 
-@pytest.mark.slow
 def test_reduce_scatter_nearest_is_the_sum_of_quantized_contributions(two_ranks):
     for rank in range(2):
         for name in two_ranks[0]["local"]:
@@ -304,7 +302,6 @@ def _quantum(g: torch.Tensor, rank: int) -> torch.Tensor:
     return (amax / 448 * 2.0 ** (8 - 3)).expand_as(chunk).reshape(_shard_of(g, rank).shape)
 
 
-@pytest.mark.slow
 def test_reduce_scatter_stochastic_is_unbiased_and_bounded(two_ranks):
     for rank in range(2):
         for name in two_ranks[0]["local"]:
@@ -323,7 +320,6 @@ def test_reduce_scatter_stochastic_is_unbiased_and_bounded(two_ranks):
             assert (draws.mean(dim=0) - exact).norm() < 0.2 * (draws[0] - exact).norm()
 
 
-@pytest.mark.slow
 def test_byte_counters_are_exact(two_ranks):
     # Layer 0: weight (96, 64) fp32, shard (48, 64). One all-gather receives the other rank's shard: e4m3
     # codes (1 byte each) + one fp32 scale per row.

@@ -19,7 +19,6 @@ def _bytes(run) -> dict[int, dict[str, float]]:
     return {r["step"]: {k: v for k, v in r.items() if k.startswith("comm/")} for r in run.rows}
 
 
-@pytest.mark.slow
 def test_two_fsdp_ranks_train_with_fp8_all_gather_and_sr_reduce_scatter(tmp_path):
     low = train(tmp_path / "low", *RUN, nproc=2, config=PRESET)
     high = train(tmp_path / "high", *RUN, *HIGH, nproc=2, config=PRESET)

@@ -19,7 +19,6 @@ COMPILED_VS_EAGER = 2e-2
 round to a neighbouring code; measured on the debug shape: 1e-3 to 6e-3 (docs/compile.md)."""
 
 
-@pytest.mark.slow
 def test_compiled_nvfp4_run_tracks_the_eager_run(tmp_path):
     cfg = write_toml(
         tmp_path / "nvfp4.toml",
@@ -43,7 +42,6 @@ def test_compiled_nvfp4_run_tracks_the_eager_run(tmp_path):
     assert "skipped" not in runs["compiled"].log  # nothing non-finite, so no step was skipped
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("preset", "recipe"),
     [("debug_model_tp2.toml", "fp8_rowwise"), ("debug_model_pp2.toml", "mxfp8")],

@@ -59,7 +59,6 @@ def test_binary_and_empty_files(tmp_path, content, message):
         read_toml(tmp_path)
 
 
-@pytest.mark.slow
 def test_nonfinite_stop_on_two_ranks_is_one_line_and_exit_code_3(tmp_path):
     # e5m2 without saturation and 2^-30 headroom on one layer's forward input overflows at step 1.
     rule = {"layers": ["layers.1.feed_forward.w2"], "roles": ["forward.input"], "format": "e5m2",

@@ -18,7 +18,6 @@ def _bf16(tmp_path):
     return write_toml(tmp_path / "bf16.toml", base=MOE_TOML, quantize={"recipe": "bf16", "rules": []})
 
 
-@pytest.mark.slow
 def test_mxfp8_experts_train_close_to_high_precision(tmp_path):
     mx = train(tmp_path / "mx", *STEPS, config=MOE_TOML)
     hp = train(tmp_path / "hp", *STEPS, config=_bf16(tmp_path))
@@ -32,7 +31,6 @@ def test_mxfp8_experts_train_close_to_high_precision(tmp_path):
     assert plan["layers.0.moe.router.gate"]["module"] == "Linear"
 
 
-@pytest.mark.slow
 def test_two_fsdp_ranks_compiled(tmp_path):
     args = ("--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1")
     run = train(tmp_path, *STEPS, *args, "--compile.enable", nproc=2, config=MOE_TOML)
@@ -166,7 +164,6 @@ def test_torchao_emulated_grouped_mxfp8_computes_the_plan():
         )  # ... torchao and ours agree to > 50 dB: bf16 output
 
 
-@pytest.mark.slow
 def test_torchao_emulated_experts_train_like_ours(tmp_path):
     ao = train(tmp_path / "ao", *STEPS, "--quantize.backend", "torchao", config=MOE_TOML)
     ours = train(tmp_path / "ours", *STEPS, config=MOE_TOML)

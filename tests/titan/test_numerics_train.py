@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from helpers import train, write_toml
 
 # e5m2 without saturation and 2^-30 headroom on one layer's forward input: x / scale overflows to inf inside
@@ -18,7 +16,6 @@ OVERFLOW_RULE = {
 }
 
 
-@pytest.mark.slow
 def test_stop_policy_names_the_first_nonfinite_and_exits_nonzero(tmp_path):
     cfg = write_toml(
         tmp_path / "nan.toml",

@@ -73,7 +73,6 @@ def test_profiling_section_is_checked_when_built(kwargs, message):
     assert str(e.value) == message
 
 
-@pytest.mark.slow
 def test_profiling_preset_trace_steps_flops_and_timeline(tmp_path):
     run = train(
         tmp_path,

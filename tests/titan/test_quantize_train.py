@@ -36,7 +36,6 @@ def test_bad_plan_is_a_config_error_before_the_model(tmp_path):
     assert "Building llama3" not in p.stderr + p.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("recipe", "args"),
     [
@@ -70,7 +69,6 @@ def test_two_ranks_train_quantized(tmp_path, recipe, args):
     assert f"recipe={recipe}" in table and "layers.[0-5].attention.qkv_linear.wqkv" in table
 
 
-@pytest.mark.slow
 def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
     # Switching recipe is starting a new run from a checkpoint on purpose (initial_load_path): the run-shape
     # fingerprint of titan/checkpoint.py refuses a plain resume into a different plan.
@@ -153,7 +151,6 @@ MIXED_RULES = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_mixed_torchao_and_emulated_layers_train(tmp_path):
     cfg = _config(tmp_path, "fp8_rowwise", backend="torchao", rules=MIXED_RULES)
     run = train(tmp_path, "--training.steps", "4", "--checkpoint.no-enable", config=cfg)
@@ -163,7 +160,6 @@ def test_mixed_torchao_and_emulated_layers_train(tmp_path):
     assert "torchao_emulated" in table and " emulate" in table
 
 
-@pytest.mark.slow
 def test_fsdp2_fp8_all_gather_through_torchao(tmp_path):
     options = {"enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True}
     cfg = _config(tmp_path, "fp8_tensorwise", backend="torchao", torchao=options, rules=MIXED_RULES[:1])
@@ -174,7 +170,6 @@ def test_fsdp2_fp8_all_gather_through_torchao(tmp_path):
     assert "torchao: FSDP2 all-gathers 25 weights in fp8" in run.log
 
 
-@pytest.mark.slow
 def test_base_with_torchtitan_converters_works_with_quantize(tmp_path):
     # Was refused: "quantize.skip: 'lm_head' matches no linear layer; layers are " (issue 11).
     base = ("--job.base", "tests.titan.converted_base:debugmodel_float8_attention_only")

@@ -10,11 +10,7 @@ import math
 import subprocess
 import sys
 
-import pytest
-
 from helpers import REPO, train, write_toml
-
-pytestmark = pytest.mark.slow
 
 TINY = ("--job.base", "low_bits_training.titan.bases:llama3_tiny")
 """2 blocks: block 0 measures what-if, block 1 is delayed-scaled."""

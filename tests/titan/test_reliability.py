@@ -15,8 +15,6 @@ import pytest
 
 from helpers import REPO, train, train_command, train_env, write_toml
 
-pytestmark = pytest.mark.slow
-
 # Quantized layers (mxfp8, weight-gradient operands stochastically rounded) and a low-bit optimizer (int8 /
 # fp8 states, bf16 master weights with stochastic rounding): every random draw must resume exactly.
 LOW_BIT = {

@@ -6,8 +6,6 @@ import pytest
 
 from helpers import REPO, train
 
-pytestmark = pytest.mark.slow
-
 
 def test_one_rank_trains_and_writes_its_folder(tmp_path):
     run = train(
