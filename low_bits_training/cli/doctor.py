@@ -96,6 +96,9 @@ def exit_code(checks: list[Check]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from low_bits_training.titan import noise
+
+    noise.install()  # upstream lines no user can act on: torchtitan warns once per config checked here
     parser = argparse.ArgumentParser(
         prog="lbt-doctor", description=__doc__.split("\n\n")[1], allow_abbrev=False
     )

@@ -17,7 +17,7 @@ import sys
 import time
 
 from low_bits_training.config.argv import take_flag
-from low_bits_training.titan import cpu
+from low_bits_training.titan import cpu, noise
 
 CONFIG_EXIT_CODE = 2
 CHECKPOINT_EXIT_CODE = 4
@@ -168,6 +168,7 @@ def remove_empty_comm_traces(config) -> None:
 def main(argv: list[str] | None = None) -> int:
     """One rank: resolve the config, train; a known error is one line and its exit code (``exit_codes``)."""
     argv = sys.argv[1:] if argv is None else argv
+    noise.install()  # upstream lines no user can act on (titan/noise.py), before torch logs any
     if cpu.needs_cpu_adapters():
         cpu.install_device_module()
     from torchtitan.tools.logging import init_logger

@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+from low_bits_training.titan import noise
 from low_bits_training.titan.launch import UNDER_LAUNCHER
 
 WORKER = "low_bits_training.titan.launch"
@@ -207,6 +208,7 @@ def run_torchrun(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Check the config, then run torchrun; returns the exit code (0, 2 config, 3 non-finite stop, 4
     checkpoint, 1 crash, 128 + N for signal N)."""
+    noise.install()  # upstream lines no user can act on (titan/noise.py)
     from low_bits_training.titan.launch import classify
 
     options, training = split_argv(sys.argv[1:] if argv is None else argv)
