@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from low_bits_training.config.exits import ExitCode
 from low_bits_training.titan import noise
 
 
@@ -24,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         page = build_report(args.runs, args.out)
     except FileNotFoundError as e:
         print(f"lbt-report: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     print(page)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

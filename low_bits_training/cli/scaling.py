@@ -18,6 +18,7 @@ from pathlib import Path
 from low_bits_training.cli.grid import NPROC, Grid, parse_value
 from low_bits_training.cli.summary import RunStats, final_step, markdown, run_stats, write_csv
 from low_bits_training.cli.sweep import run_points
+from low_bits_training.config.exits import ExitCode
 from low_bits_training.titan import noise
 
 SUPERLINEAR = 1.2  # efficiency above this is a measurement problem, not a speedup
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [parse_value(v) for v in ns.nproc.split(",")]
     if not all(isinstance(n, int) and n > 0 for n in counts):
         print(f"lbt-scaling: --nproc = {ns.nproc!r}: expected positive integers, e.g. 1,2,4", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     grid = Grid(
         config_file=ns.config_file,
         name=ns.name,
@@ -118,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         failed = sum(r.returncode != 0 for r in run_points(grid, out, ns.slurm, ns.nnodes))
         if ns.slurm:
             print("submitted; when the jobs finish, rerun with --collect")
-            return 1 if failed else 0
+            return ExitCode.CRASH if failed else ExitCode.OK
     print(report(grid, out))
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

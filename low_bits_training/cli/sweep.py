@@ -20,6 +20,7 @@ from low_bits_training.cli import runner
 from low_bits_training.cli.grid import NPROC, Grid, load_grid
 from low_bits_training.cli.progress import SweepProgress
 from low_bits_training.cli.summary import Row, markdown, plot_losses, run_stats, table_rows, write_csv
+from low_bits_training.config.exits import ExitCode
 from low_bits_training.titan import noise
 
 
@@ -115,17 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(ns.grid_file, ns.config_file, ns.name, ns.grid, ns.baseline, extra)
     except (ConfigError, OSError) as e:
         print(f"lbt-sweep: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     out = Path(ns.out) / grid.name
     failed = 0
     if not ns.collect:
         failed = sum(r.returncode != 0 for r in run_points(grid, out, ns.slurm, ns.nnodes))
         if ns.slurm:
             print(f"submitted; when the jobs finish: lbt-sweep {' '.join(sys.argv[1:])} --collect")
-            return 1 if failed else 0
+            return ExitCode.CRASH if failed else ExitCode.OK
     print(report(grid, out))
     print(f"table: {out / 'summary.md'} ({out / 'summary.csv'}), plot: {out / 'loss.png'}")
-    return 1 if failed else 0
+    return ExitCode.CRASH if failed else ExitCode.OK
 
 
 if __name__ == "__main__":

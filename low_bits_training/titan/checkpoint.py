@@ -31,14 +31,11 @@ from typing import Any
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
+from low_bits_training.config.exits import CheckpointError  # its exit code: config/exits.py
 from low_bits_training.titan.compat import CheckpointHooks, checkpoint_path, find_load_step
 from low_bits_training.titan.ranks import is_rank0
 
 MANIFEST = "lbt_manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed; the message says which and why in one line."""
 
 
 def _plain(v: Any) -> Any:

@@ -5,8 +5,9 @@ checked the whole config before). What ``torchtitan.train.main`` does, plus: CPU
 other torchtitan import), the TOML layer, the project's datasets, and the run's own files (resolved config,
 precision plan) written once the run has really started: after the checkpoint, if any, was loaded.
 
-A run that cannot go on ends in one line and an exit code that says why (``EXIT_CODES``); under the launcher
-the line goes to torchrun's error file and the launcher prints it once, whichever rank it came from.
+A run that cannot go on ends in one line and an exit code that says why (``config/exits.py``: ``ExitCode``,
+``ENDINGS``); under the launcher the line goes to torchrun's error file and the launcher prints it once,
+whichever rank it came from.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import sys
 import time
 
 from low_bits_training.config.argv import take_flag
+from low_bits_training.config.exits import ExitCode, classify
 from low_bits_training.titan import cpu, noise
 
-CONFIG_EXIT_CODE = 2
-CHECKPOINT_EXIT_CODE = 4
 UNDER_LAUNCHER = "LBT_LAUNCHER"
 """Set (to 1) by the launcher for its ranks: report errors through torchrun's error file, not stderr."""
 
@@ -64,33 +64,8 @@ def build_config(argv: list[str]):
     return config
 
 
-def exit_codes() -> tuple[tuple[type[BaseException], int, str], ...]:
-    """``(exception, exit code, what the line starts with)`` for every way a run ends on purpose.
-
-    2: the configuration (bad input), 3: the non-finite "stop" policy, 4: a checkpoint refused at load.
-    Anything else is a crash: its traceback, exit code 1.
-    """
-    from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan.checkpoint import CheckpointError
-    from low_bits_training.titan.numerics import NONFINITE_EXIT_CODE, NonFiniteError
-
-    return (
-        (ConfigError, CONFIG_EXIT_CODE, "config error"),
-        (NonFiniteError, NONFINITE_EXIT_CODE, "stopped"),
-        (CheckpointError, CHECKPOINT_EXIT_CODE, "checkpoint refused"),
-    )
-
-
-def classify(error: BaseException) -> tuple[int, str] | None:
-    """``(exit code, the one line)`` for a known error (``exit_codes``), None for anything else."""
-    for cls, code, what in exit_codes():
-        if isinstance(error, cls):
-            return code, f"low-bits-training: {what}: {error}"
-    return None
-
-
-def report(error: BaseException) -> int | None:
-    """Say a known error in one line and return its exit code (None: not one of ``exit_codes``).
+def report(error: BaseException) -> ExitCode | None:
+    """Say a known error in one line and return its exit code (None: not one of ``exits.ENDINGS``).
 
     Under the launcher the line goes to torchrun's per-rank error file (the launcher prints it once);
     otherwise rank 0 prints it to stderr.
@@ -166,7 +141,7 @@ def remove_empty_comm_traces(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank: resolve the config, train; a known error is one line and its exit code (``exit_codes``)."""
+    """One rank: resolve the config, train; a known error is one line and its exit code (``exits.ENDINGS``)."""
     argv = sys.argv[1:] if argv is None else argv
     noise.install()  # upstream lines no user can act on (titan/noise.py), before torch logs any
     if cpu.needs_cpu_adapters():
@@ -180,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         code = report(e)
         if code is None:
-            raise  # a crash: its traceback is what the user needs
+            raise  # a crash: its traceback is what the user needs (ExitCode.CRASH, from Python)
         return code
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

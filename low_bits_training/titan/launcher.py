@@ -11,7 +11,7 @@ through it. In this process, before any rank starts:
   checkpoint it would resume from). Bad input is one line, exit code 2 (4 for a checkpoint), no traceback,
   and nothing is written to the run folder;
 - then torchrun runs in this same process (no second interpreter start). A rank that ends on purpose
-  (``launch.exit_codes``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
+  (``config/exits.py``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
   torchrun's error file; it is printed here once, and this process exits with that rank's code. A crash keeps
   its traceback (from the rank) and ends with exit code 1.
 
@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+from low_bits_training.config.exits import ENDINGS, SIGNAL_BASE, ExitCode, classify
 from low_bits_training.titan import noise
 from low_bits_training.titan.launch import UNDER_LAUNCHER
 
@@ -162,15 +163,13 @@ class _HoldBack(logging.Filter):
         return True
 
 
-def chosen_failure(failures: dict) -> tuple[int, str] | None:
+def chosen_failure(failures: dict) -> tuple[ExitCode, str] | None:
     """The exit code and line of the failure to report: rank 0's if it ended on purpose, else the lowest
     rank that did (None: no rank ended on purpose, a crash)."""
-    from low_bits_training.titan.launch import exit_codes
-
-    ours = {code for _, code, _ in exit_codes()}
+    ours = {e.code for e in ENDINGS}
     for _, failure in sorted(failures.items()):
         if failure.exitcode in ours:
-            return failure.exitcode, failure.message
+            return ExitCode(failure.exitcode), failure.message
     return None
 
 
@@ -186,9 +185,9 @@ def run_torchrun(args) -> int:
     agent.addFilter(hold)
     try:
         run(args)
-        return 0
+        return ExitCode.OK
     except SignalException as e:
-        return 128 + int(e.sigval)
+        return SIGNAL_BASE + int(e.sigval)
     except ChildFailedError as e:
         agent.removeFilter(hold)
         chosen = chosen_failure(e.failures)
@@ -200,17 +199,15 @@ def run_torchrun(args) -> int:
         rank, first = min(e.failures.items())
         print(f"low-bits-training: rank {rank} failed (exit code {first.exitcode}); see its output above",
               file=sys.stderr, flush=True)  # fmt: skip
-        return 1
+        return ExitCode.CRASH
     finally:
         agent.removeFilter(hold)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check the config, then run torchrun; returns the exit code (0, 2 config, 3 non-finite stop, 4
-    checkpoint, 1 crash, 128 + N for signal N)."""
+    """Check the config, then run torchrun; returns the exit code (``config/exits.py``: 0, 2 config, 3
+    non-finite stop, 4 checkpoint, 1 crash, 128 + N for signal N)."""
     noise.install()  # upstream lines no user can act on (titan/noise.py)
-    from low_bits_training.titan.launch import classify
-
     options, training = split_argv(sys.argv[1:] if argv is None else argv)
     check_only = CHECK_ONLY in options
     args = torchrun_args([o for o in options if o != CHECK_ONLY], training)
@@ -226,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if done is not None:
         print(done, file=sys.stderr)
     if check_only or done is not None:
-        return 0
+        return ExitCode.OK
     shown = show_the_loss(args, config, world_size(args))
     if shown is not None:
         print(shown, file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""What happens around torchtitan's step: the numerics monitor, the non-finite policy, its exit code."""
+"""What happens around torchtitan's step: the numerics monitor, the non-finite policy (its error and exit code
+live in ``config/exits.py``: ``NonFiniteError``, ``ExitCode.NONFINITE``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,10 @@ from collections.abc import Iterator
 import torch
 from torchtitan.tools.logging import logger
 
+from low_bits_training.config.exits import ExitCode, NonFiniteError
 from low_bits_training.numerics import NonFinite
 
 from .monitor import NumericsMonitor, layer_probes_work
-
-NONFINITE_EXIT_CODE = 3
-"""Exit code of a run ended by ``[numerics] nonfinite = "stop"``."""
-
-
-class NonFiniteError(RuntimeError):
-    """Raised on every rank by the "stop" policy; the message is the one line for the user."""
 
 
 def warn(event: NonFinite) -> None:
@@ -101,11 +96,11 @@ def exit_on_nonfinite(run, config) -> int:
     """``run(config)``; a ``NonFiniteError`` becomes its one-line message on stderr and exit code 3.
 
     Returns:
-        0 after a complete run, ``NONFINITE_EXIT_CODE`` when the "stop" policy ended it.
+        0 after a complete run, ``ExitCode.NONFINITE`` when the "stop" policy ended it.
     """
     try:
         run(config)
     except NonFiniteError as e:
         print(f"low-bits-training: stopped: {e}", file=sys.stderr)
-        return NONFINITE_EXIT_CODE
-    return 0
+        return ExitCode.NONFINITE
+    return ExitCode.OK
