@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from low_bits_training.config.tree import ConfigError, coerce, field_types
+from low_bits_training.config.tree import Checked, ConfigError, coerce, field_types
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ def check_fields(obj: Any, section: str) -> None:
                 check_fields(item, key if i is None else f"{key}[{i}]")
 
 
-class Section:
-    """Base of a section dataclass: ``check()`` runs at construction; ``SECTION`` names it in messages."""
+class Section(Checked):
+    """Base of a section dataclass: ``check()`` runs at construction and whenever ``tree.apply_dict`` sets its
+    fields; ``SECTION`` names it in messages."""
 
     __slots__ = ()
     SECTION: ClassVar[str] = ""

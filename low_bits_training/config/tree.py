@@ -18,6 +18,17 @@ class ConfigError(ValueError):
     """A configuration value or key that cannot be used; the message is one line for the user."""
 
 
+class Checked:
+    """A dataclass with checks across its fields: ``apply_dict`` calls ``check()`` again after it sets fields
+    (``setattr`` does not run ``__post_init__``). ``config.section.Section`` is the one kind; it is declared
+    here so that this module needs nothing above it."""
+
+    __slots__ = ()
+
+    def check(self) -> None:
+        """Raises: ConfigError (one line) when the fields do not fit together."""
+
+
 def field_types(cls: type) -> dict[str, Any]:
     """``{field name: annotation}`` of a dataclass, ``Annotated`` metadata kept (named choices, bounds)."""
     try:
@@ -171,9 +182,7 @@ def apply_dict(obj: Any, data: dict[str, Any], where: str = "") -> None:
                 f"unknown key '{path}' in {section}; allowed keys: {', '.join(sorted(allowed))}"
             )
         setattr(obj, key, _value_for(getattr(obj, key), value, hints.get(key, Any), path))
-    from low_bits_training.config.section import Section  # section.py builds on this module
-
-    if data and isinstance(obj, Section):
+    if data and isinstance(obj, Checked):
         obj.check()  # checks across fields: setattr does not run __post_init__
 
 

@@ -4,7 +4,7 @@ The one table behind ``[quantize] recipe = ...`` (``config.recipes``) and ``Line
 users, no TOML).
 
 Each recipe gives a spec per operand (input, weight, grad_output); the operand's spec is used in every GEMM
-it feeds, with the axis set to that GEMM's contraction dim (``nn.roles``). Conventions and their sources:
+it feeds, with the axis set to that GEMM's contraction dim (``nn.operands``). Conventions and their sources:
 
 - fp8_tensorwise: torchao ``Float8LinearConfig()`` default: e4m3 input/weight, e5m2 grad_output, one fp32
   scale per tensor.
@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from low_bits_training.formats import QuantSpec
 
-from .roles import ROLES
+from .operands import ROLES
 
 _FP8_ROW = QuantSpec.fp8_rowwise(scale_rounding="rceil")
 _NVFP4_TILE = QuantSpec("e2m1", "tile", block_size=16, scale_format="ue4m3", tensor_scale=True)

@@ -1,59 +1,23 @@
-"""The six GEMM operands of a linear layer and the per-layer cast plan over them.
-
-A linear layer y = x W^T (x: (M, K) tokens x in-features, W: (N, K)) runs three GEMMs:
-
-======== =================== ======================= ===================
-GEMM     product             operands                contraction dim
-======== =================== ======================= ===================
-forward  y  = x  @ W^T       input (M,K), weight (N,K)  K: axis -1, -1
-dgrad    dx = dy @ W         grad_output (M,N), weight  N: axis -1, 0
-wgrad    dW = dy^T @ x       grad_output, input         M: axis 0, 0
-======== =================== ======================= ===================
-
-Row / block scales run along the contraction dim of *their* GEMM (that is what a scaled GEMM kernel can
-consume), so the same tensor gets a different ``axis`` in different GEMMs: the weight is blocked along K in
-the forward and along N in dgrad; the activations and gradients along the token dim M in wgrad.
+"""The per-layer cast plan over the six GEMM operands of a linear layer (``LinearPlan``), and the rules its
+specs obey together: which casts a backward role may read or reuse, what an RHT and the ``_scaled_mm``
+reference need. The operand table itself (``ROLES``: each GEMM's operands and contraction axes) is
+``nn.operands``; it is re-exported here, where callers have always read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from low_bits_training.formats import QuantSpec
 
-Gemm = Literal["forward", "dgrad", "wgrad"]
+from .operands import GEMMS, ROLE_NAMES, ROLES, Gemm, Role
+from .recipes import RECIPES
+
 Backend = Literal["emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
 """Who runs a GEMM: our emulation, our ``_scaled_mm`` reference (``nn.kernels``, not offered in TOML),
 torchao's module with its kernel or in its emulated mode, or a module torchtitan's own converter made."""
-
-
-class Role(NamedTuple):
-    """One operand of one GEMM."""
-
-    gemm: Gemm
-    operand: Literal["input", "weight", "grad_output"]
-    axis: int
-    """The operand's contraction dim as a 2-D tensor (see the module table)."""
-
-    @property
-    def name(self) -> str:
-        return f"{self.gemm}.{self.operand}"
-
-
-ROLES: tuple[Role, ...] = (
-    Role("forward", "input", -1),
-    Role("forward", "weight", -1),
-    Role("dgrad", "grad_output", -1),
-    Role("dgrad", "weight", 0),
-    Role("wgrad", "grad_output", 0),
-    Role("wgrad", "input", 0),
-)
-"""The cast table: every operand of every GEMM, in a fixed order (``LinearPlan.specs`` follows it)."""
-
-ROLE_NAMES: tuple[str, ...] = tuple(r.name for r in ROLES)
-GEMMS: tuple[str, ...] = ("forward", "dgrad", "wgrad")
 
 
 FORWARD_SOURCES: dict[str, str] = {"dgrad.weight": "forward.weight", "wgrad.input": "forward.input"}
@@ -176,8 +140,6 @@ class LinearPlan:
         Raises:
             ValueError: an unknown recipe name (the message lists the names).
         """
-        from .recipes import RECIPES  # recipes.py builds its table from ROLES, defined here
-
         if name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}: expected one of {', '.join(RECIPES)}")
         return cls.from_roles(RECIPES[name], backend)
@@ -210,3 +172,20 @@ class LinearPlan:
             for r, s in zip(ROLES, self.specs, strict=True)
             if s and s.source == "forward"
         )
+
+
+__all__ = [
+    "FORWARD_SOURCES",
+    "GEMMS",
+    "REUSABLE",
+    "ROLES",
+    "ROLE_NAMES",
+    "Backend",
+    "Gemm",
+    "LinearPlan",
+    "Role",
+    "along_contraction",
+    "operand_problem",
+    "same_cast",
+    "source_key",
+]
