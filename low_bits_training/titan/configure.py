@@ -22,6 +22,7 @@ from typing import Any
 import tomli_w
 
 from low_bits_training.config.argv import flag_names, flag_value, scan
+from low_bits_training.config.job import BASE_SHAPE, JobConfig
 from low_bits_training.config.runfolder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML
 from low_bits_training.config.secrets import redact, redact_argv, wandb_credentials
 from low_bits_training.config.tree import (
@@ -35,7 +36,6 @@ from low_bits_training.config.tree import (
 )
 from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
 from low_bits_training.titan.compat import config_function, config_manager
-from low_bits_training.titan.job import BASE_SHAPE, JobConfig
 from low_bits_training.titan.metrics import LowBitsMetricsProcessor
 from low_bits_training.titan.trainer import LowBitsTrainer
 
@@ -133,9 +133,11 @@ def load_config(
         platform_defaults(config)
     apply_dict(config, data)
     config.job.base = base
-    if config.job.name and "dump_folder" not in data:
-        config.dump_folder = os.path.join("outputs", config.job.name)
-    return parse_cli(config, cli_args)
+    config = parse_cli(config, cli_args)
+    folder = config.job.run_folder()  # [job] name from the TOML or --job.name: the flags are in by now
+    if folder and "dump_folder" not in data and "dump_folder" not in flag_names(cli_args):
+        config.dump_folder = folder
+    return config
 
 
 def parse_cli(config: LowBitsTrainer.Config, args: list[str]) -> LowBitsTrainer.Config:

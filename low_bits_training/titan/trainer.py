@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torchtitan.trainer import Trainer
 
+from low_bits_training.config.job import JobConfig
 from low_bits_training.config.plan import QuantizeConfig
 from low_bits_training.config.secrets import redact
 from low_bits_training.formats import derive_key
@@ -19,21 +20,6 @@ from low_bits_training.titan.profiling import ProfilingConfig
 from low_bits_training.titan.ranks import rank
 from low_bits_training.titan.schedule import install as install_schedule
 from low_bits_training.titan.targets import live, run_of
-
-
-@dataclass(kw_only=True, slots=True)
-class JobConfig:
-    """``[job]``: where the config starts from and what the run is called."""
-
-    base: str = "llama3:llama3_debugmodel"
-    """Base config function, ``module:function``: a torchtitan model name (``llama3``), a dotted module with
-    a ``config_registry`` (or the module itself), and a function in it returning a ``Trainer.Config``."""
-
-    name: str = ""
-    """Run name. Sets ``dump_folder`` to ``outputs/<name>`` unless ``dump_folder`` is given."""
-
-    description: str = ""
-    """Free text, kept with the run."""
 
 
 def step_seed(base: int, step: int) -> int:

@@ -49,7 +49,7 @@ def test_checked_when_the_toml_sets_fields_of_an_existing_section():
 
 
 def test_job_section():
-    from low_bits_training.titan.job import JobConfig
+    from low_bits_training.config.job import JobConfig
 
     assert JobConfig(base="low_bits_training.titan.bases:llama3_1b", name="run-1.a").name == "run-1.a"
     with pytest.raises(ConfigError, match=r"^job.base = 'llama3': expected 'module:function'"):
