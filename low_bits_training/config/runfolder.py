@@ -20,8 +20,6 @@ CONFIG_JSON = "config.json"
 """The whole resolved config tree."""
 COMMAND_TXT = "command.txt"
 """The command line of the run (credentials redacted)."""
-RUN_FILES = (CONFIG_TOML, CONFIG_JSON, COMMAND_TXT)
-"""What a run writes about itself once it really starts (``titan/configure.py: save_resolved``)."""
 
 LOSS = "loss_metrics/global_avg_loss"
 """The training loss in ``metrics.jsonl`` (torchtitan's metric name)."""

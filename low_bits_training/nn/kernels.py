@@ -38,15 +38,6 @@ def unsupported_reason(a: QuantSpec | None, b: QuantSpec | None) -> str | None:
     return None
 
 
-def device_has_fp8_gemm(device: torch.device | str) -> bool:
-    """True where ``_scaled_mm`` is a hardware fp8 GEMM (CUDA SM89+). The CPU kernel exists but is slower
-    than fp32, so ``auto`` does not pick it there."""
-    device = torch.device(device)
-    return (
-        device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    )
-
-
 def _fp8(t: torch.Tensor, spec: QuantSpec, transpose: bool, shards: ShardGroups):
     q, scale = scaled_values(t, spec, shards)  # q on the e4m3/e5m2 grid: the cast below is exact
     if transpose:

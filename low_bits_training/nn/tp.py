@@ -2,7 +2,8 @@
 
 Like torchao's float8 under TP, the quantized GEMMs see local tensors. Per mesh dim, the pair of placements
 (input, weight) decides the output placement, the gradient placements and which local dims are sharded
-(for scales that must reduce over a sharded dim: see ``cast.py``). ``_RULES`` is that table:
+(for scales that must reduce over a sharded dim: see ``cast.py``). ``_rule`` decides it, row by row of this
+table:
 
 ============================ =========== ============ ============ ========================
 input, weight                output      grad input   grad weight  sharded dims (operand: dim)

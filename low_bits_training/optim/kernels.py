@@ -19,11 +19,6 @@ import torch
 from .layout import KernelSpec
 from .master import write_master
 
-ADAMW_HYPER = ("decay", "one_minus_b1", "b2", "one_minus_b2", "sqrt_bc2", "eps", "neg_step", "inv_c2")
-"""AdamW's ``hyper`` entries: 1 - lr*wd, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, -lr / (1 - b1^t), 1 / C^2."""
-SGD_HYPER = ("weight_decay", "momentum", "lr", "first")
-"""SGD's ``hyper`` entries: weight decay, momentum, lr, 1.0 on the buffer's first step (else 0.0)."""
-
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 square root, eager and compiled alike.

@@ -112,11 +112,3 @@ def parse_state_format(value: str | dict[str, Any] | QuantSpec) -> QuantSpec:
 def with_rounding(spec: QuantSpec, rounding: str) -> QuantSpec:
     """``spec`` with its element rounding replaced."""
     return spec if spec.rounding == rounding else replace(spec, rounding=rounding)
-
-
-def state_label(spec: QuantSpec) -> str:
-    """Short label of a state format (preset name when there is one)."""
-    for name, s in PRESETS.items():
-        if s == spec:
-            return name
-    return spec.short()

@@ -39,8 +39,6 @@ from low_bits_training.titan.compat import config_function, config_manager
 from low_bits_training.titan.metrics import LowBitsMetricsProcessor
 from low_bits_training.titan.trainer import LowBitsTrainer
 
-DEFAULT_BASE = JobConfig().base
-
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     """Parse a TOML file.

@@ -9,7 +9,7 @@
 
 from .config import NumericsConfig, Policy
 from .monitor import NumericsMonitor, reduce_raw
-from .policy import NonFiniteError, TrainerExtras, exit_on_nonfinite, extras_for, warn
+from .policy import NonFiniteError, TrainerExtras, extras_for, warn
 
 __all__ = [
     "NonFiniteError",
@@ -17,7 +17,6 @@ __all__ = [
     "NumericsMonitor",
     "Policy",
     "TrainerExtras",
-    "exit_on_nonfinite",
     "extras_for",
     "reduce_raw",
     "warn",

@@ -4,13 +4,12 @@ live in ``config/exits.py``: ``NonFiniteError``, ``ExitCode.NONFINITE``)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import torch
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.exits import ExitCode, NonFiniteError
+from low_bits_training.config.exits import NonFiniteError
 from low_bits_training.numerics import NonFinite
 
 from .monitor import NumericsMonitor, layer_probes_work
@@ -90,17 +89,3 @@ def extras_for(trainer) -> TrainerExtras:
     if extras is None:
         extras = trainer.__dict__["_lbt_extras"] = TrainerExtras(trainer)
     return extras
-
-
-def exit_on_nonfinite(run, config) -> int:
-    """``run(config)``; a ``NonFiniteError`` becomes its one-line message on stderr and exit code 3.
-
-    Returns:
-        0 after a complete run, ``ExitCode.NONFINITE`` when the "stop" policy ended it.
-    """
-    try:
-        run(config)
-    except NonFiniteError as e:
-        print(f"low-bits-training: stopped: {e}", file=sys.stderr)
-        return ExitCode.NONFINITE
-    return ExitCode.OK
