@@ -22,6 +22,7 @@ from low_bits_training.cli.checks import (
     check_versions,
     check_wandb,
 )
+from low_bits_training.cli.runner import repo_root
 from low_bits_training.config.backends import Hardware, detect_hardware
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
@@ -39,7 +40,7 @@ def default_config_file(env: Mapping[str, str]) -> str:
     if env.get("CONFIG_FILE"):
         return env["CONFIG_FILE"]
     here = Path(DEFAULT_CONFIG_FILE)
-    repo = Path(__file__).resolve().parents[2] / DEFAULT_CONFIG_FILE
+    repo = repo_root() / DEFAULT_CONFIG_FILE
     return str(here if here.is_file() or not repo.is_file() else repo)
 
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         help="judge the plan as on this GPU (default: this machine)",
     )
     ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    repo = Path(__file__).resolve().parents[2]
+    repo = repo_root()
     if (
         ns.config_file is None
         and not os.environ.get("CONFIG_FILE")

@@ -11,7 +11,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+
+def repo_root() -> Path:
+    """The repository this package is in: ``run_llama_train.sh``, ``submit.sh``, ``train_configs/``. The
+    package's parent folder, as this project installs itself (``pip install -e .``, ``scripts/ensure_venv.sh``).
+    The one place that says so; ``REPO`` is its value."""
+    return Path(__file__).resolve().parents[2]
+
+
+REPO = repo_root()
 TRAIN_SCRIPT = REPO / "run_llama_train.sh"
 
 
