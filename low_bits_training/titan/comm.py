@@ -7,13 +7,14 @@ buffer (this rank's shards of every parameter of the group, one after another, e
 the payload there, segment by segment, as the sender of a low-bit wire would, and then run the ordinary
 collective on the dequantized values; the result is what the receiver of the low-bit wire computes:
 
-- all-gather (quantize before gather, ZeRO++ qwZ): each rank casts its weight shard (2-D view (rows, last
-  dim), rows split across ranks; tensor scales take the all-reduced amax, ``nn.cast``), so the gathered
-  weight equals ``fake_quantize`` of the full weight, in FSDP2's param dtype (exact where that dtype holds
-  the values: fp32, or bf16 with power-of-two scales). Gradients pass straight through.
-- reduce-scatter (ZeRO++ qgZ, MS-AMP): each rank casts its contribution to every destination shard (one
-  scale per parameter chunk, or blocks along it) with counter-based stochastic rounding keyed by (step,
-  microbatch, rank, parameter); the chunks are summed in FSDP2's reduce dtype.
+- all-gather (quantize before gather, ZeRO++ qwZ): each rank casts its fp32 weight shard (2-D view (rows,
+  last dim), rows split across ranks; tensor scales take the all-reduced amax, ``nn.cast``), so the gathered
+  weight equals ``fake_quantize`` of the full weight, stored in FSDP2's param dtype (exact in fp32, or in bf16
+  with power-of-two scales; one bf16 rounding of ``q * scale`` otherwise). Gradients pass straight through.
+- reduce-scatter (ZeRO++ qgZ, MS-AMP): each rank casts its contribution to every destination shard of the
+  parameters FSDP2 sends in that call (one scale per parameter chunk, or blocks along it) with counter-based
+  stochastic rounding keyed by (step, microbatch, rank, parameter); the chunks are summed in FSDP2's reduce
+  dtype.
 
 - torchao's fp8 all-gather (``apply_comm`` switches it on where the plan's torchao layers are all tensorwise
   Float8Linear and the wire is e4m3 tensorwise): the units whose weights carry torchao's
