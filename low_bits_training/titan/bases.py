@@ -33,6 +33,7 @@ def llama3_tiny() -> Trainer.Config:
     """The debug model cut to its first 2 layers: the fastest real Llama 3 for smoke tests on CPU."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
+
     config = llama3_debugmodel()
     config.model_spec.model.layers = config.model_spec.model.layers[:2]
     return config
@@ -42,20 +43,22 @@ def llama3_narrow() -> Trainer.Config:
     """The debug model at width 128 (8 heads of 16, FFN 512) with 2 blocks: about a third of ``llama3_tiny``'s
     cost per token, for CPU studies that need hundreds of steps and several seeds (benchmarks/nvfp4_ablation.py).
 
-    Built with the pinned torchtitan 0.3.0's own llama3 block builder (``_build_llama3_layers``, the one its
+    Built with the pinned torchtitan 0.3.0's own llama3 block builder (``compat.llama3_builders``, the one its
     flavors use), so inits, RoPE (head dim 16, as the debug model) and attention are the debug model's.
     """
     import dataclasses
 
-    from torchtitan.models import llama3
     from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from low_bits_training.titan.compat import llama3_builders
 
     config = llama3_debugmodel()
     model = config.model_spec.model
     dim, heads = 128, 8
     attention = model.layers[0].attention
-    layers = llama3._build_llama3_layers(
+    build_layers, output_init = llama3_builders()
+    layers = build_layers(
         n_layers=2, dim=dim, n_heads=heads, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
         rope=attention.rope, attn_backend="flex",
     )  # fmt: skip
@@ -64,9 +67,7 @@ def llama3_narrow() -> Trainer.Config:
         dim=dim,
         tok_embeddings=dataclasses.replace(model.tok_embeddings, embedding_dim=dim),
         norm=dataclasses.replace(model.norm, normalized_shape=dim),
-        lm_head=dataclasses.replace(
-            model.lm_head, in_features=dim, param_init=llama3._output_linear_init(dim)
-        ),
+        lm_head=dataclasses.replace(model.lm_head, in_features=dim, param_init=output_init(dim)),
         layers=layers,
     )
     return config

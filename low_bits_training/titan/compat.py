@@ -134,6 +134,12 @@ UPSTREAM: dict[str, Upstream] = {
         "28fa7aa703299622",
         "whether the CPU has AVX512-BF16 dot products (nn/kernels.py cpu_bf16_gemm, below titan: read directly)",
     ),
+    "llama3_builders": Upstream(
+        "torchtitan.models.llama3:_build_llama3_layers",
+        69,
+        "57d8388f72a1db30",
+        "torchtitan's llama3 block builder (and its _output_linear_init, line 54), for the narrow debug base",
+    ),
     "fsdp_all_gather": Upstream(
         "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather",
         100,
@@ -376,3 +382,11 @@ def qwen3_builders() -> tuple[Any, Any, Any, Any]:
     from torchtitan.models import qwen3
 
     return qwen3._EMBEDDING_INIT, qwen3._LINEAR_INIT, qwen3._build_qwen3_moe_layers, qwen3._qwen3_norm
+
+
+def llama3_builders() -> tuple[Any, Any]:
+    """torchtitan's llama3 builders (models/llama3/__init__.py, private there): ``(layers builder
+    _build_llama3_layers line 69, output init _output_linear_init line 54)``."""
+    from torchtitan.models import llama3
+
+    return llama3._build_llama3_layers, llama3._output_linear_init
