@@ -15,8 +15,23 @@ A layer whose plan has roles with ``amax_history = N > 0`` owns a float32 buffer
 Every rank must hold the same history, or a checkpoint (which stores one copy of a replicated buffer) would
 not resume exactly: the trainer sets the **amax group**, the ranks that see different data (data parallel x
 context parallel, ``titan.delayed``), and the amax is all-reduced MAX over it. Without one (plain module use)
-each process keeps its own history. One history entry per call: gradient accumulation, activation
-recomputation and a layer called twice per step each add entries.
+each process keeps its own history. One history entry per call: gradient accumulation and a layer called
+twice per step each add entries.
+
+**When the forward records.** A linear layer's forward casts (``forward.input``, ``forward.weight``) read
+the history, and their amaxes are recorded when the layer's backward runs (``nn.functional.QuantMatmul``;
+the backward's own casts record as they cast). So the forward never changes what it reads, and an
+activation checkpoint's recompute, which runs the forward again inside the backward, reads the history as
+the first pass did and records nothing (its backward never runs): eager and compiled (where the recompute is
+part of the backward graph and reads the buffer as it stands then), full and selective checkpointing, bit
+for bit the run without (tests/nn/test_ac_delayed.py). Transformer Engine gets the same by keeping the
+forward's scales for the recompute and skipping the update there. With one microbatch at a time (gradient
+accumulation included) a cast sees the same history as when the forward recorded at once. Under pipeline
+parallelism with several microbatches in flight, a forward reads the history without the amaxes of the
+microbatches whose backward has not run yet; with activation checkpointing there, a recompute that runs
+after an earlier microbatch's backward reads a history that backward extended (not bit for bit the first
+pass: use delayed scaling without checkpointing under PP). The attention products (``nn.attention``) still
+record in their forward.
 """
 
 from __future__ import annotations

@@ -157,6 +157,9 @@ class Kept(NamedTuple):
 
 Casts = dict[str, Kept]
 """Casts by role name that later GEMMs of the layer reuse (see ``run_gemm``)."""
+Deferred = dict[int, torch.Tensor]
+"""Role index -> the amax a delayed cast took, to record into its history later (``nn.delayed``, "When the
+forward records")."""
 
 
 def cast_operand(
@@ -168,20 +171,27 @@ def cast_operand(
     mode: ProbeMode,
     record: bool,
     keep: Casts | None = None,
+    defer: Deferred | None = None,
 ) -> Factored:
     """Cast one operand (role ``ROLES[i]``; stochastic rounding keyed by ``rng.role_key(state.key, i)``,
     delayed scaling from ``state.history[i]``) and record it in the layer's probe; ``keep``: also put the
-    cast there under the role's name."""
+    cast there under the role's name; ``defer``: a delayed cast leaves the history as it is and puts the
+    amax it would record there (under ``i``) instead."""
     key = rng.role_key(state.key, i) if spec is not None and spec.rounding == "stochastic" else None
     history = (
         state.history[i] if state.history is not None and spec is not None and spec.amax_history else None
     )
+    if history is not None and defer is not None:
+        history = history.clone()  # the cast reads the row as it is and records into this copy only
     f = cast_factored(t, spec, shards, key, ROLES[i].name, history, record)
     bad = probe.record_operand(
         state, mode, i, t, spec, f.value() if spec is not None and mode.stats else None
     )
-    if keep is not None:  # the newest history entry is the amax this cast recorded
-        keep[ROLES[i].name] = Kept(f, bad, history[:1].clone() if history is not None and record else None)
+    amax = history[:1].clone() if history is not None and record else None  # the amax it recorded
+    if defer is not None and amax is not None:
+        defer[i] = amax
+    if keep is not None:
+        keep[ROLES[i].name] = Kept(f, bad, amax)
     return f
 
 
@@ -195,6 +205,7 @@ def run_gemm(
     record: bool = False,
     casts: Casts | None = None,
     dtypes: Dtypes | None = None,
+    defer: Deferred | None = None,
 ) -> torch.Tensor:
     """One GEMM of the layer, operands cast as the plan says.
 
@@ -214,6 +225,8 @@ def run_gemm(
             ``plan.reused_casts`` maps to one of them takes it instead of casting (its flag is the earlier
             role's, ``probe.record_flag``), and this GEMM adds the casts a later role reuses.
         dtypes: the natural operands' dtypes (default: from ``tensors``).
+        defer: delayed-scaled casts read their history without extending it and put the amax they would
+            record here instead (``cast_operand``); the caller records them later (``QuantMatmul``).
 
     Returns:
         the product (forward (M,N), dgrad (M,K), wgrad (N,K)): fp32, or bf16 where ``gemm_dtype`` says.
@@ -243,7 +256,7 @@ def run_gemm(
                 continue
             t = source_operand(i, tensors, spec)
             keep = casts if name in kept_for_later else None
-            f = cast_operand(i, t, spec, groups, state, mode, record, keep)
+            f = cast_operand(i, t, spec, groups, state, mode, record, keep, defer)
             if name in plan.saved_casts:  # a backward role casts this forward cast again
                 tensors[name] = f.value()
             fs.append(f)
@@ -299,6 +312,9 @@ class QuantMatmul(torch.autograd.Function):
     on ``ctx`` (not saved tensors: the probes and delayed scaling update them in place, which would trip
     autograd's version check). Forward casts a backward role reads (``LinearPlan.saved_casts``) are saved, and
     those a backward role reuses (``LinearPlan.reused_casts``, as ``stored`` gives them; x itself is then not).
+    The forward's delayed casts record their amaxes when the backward runs (saved as 1-element tensors; see
+    ``nn.delayed``, "When the forward records"): the forward only reads the history, so an activation
+    checkpoint's recompute reads it as the first pass did.
     """
 
     @staticmethod
@@ -322,18 +338,24 @@ class QuantMatmul(torch.autograd.Function):
         ctx.dtypes = {"input": x.dtype, "weight": w.dtype}
         tensors = {"input": x, "weight": w}
         casts = None if mode.stats else {}
-        y = run_gemm("forward", tensors, plan, shards, ctx.state, mode, record, casts)
+        deferred: Deferred = {}
+        y = run_gemm("forward", tensors, plan, shards, ctx.state, mode, record, casts, defer=deferred)
         # the forward casts a backward role reuses (run_gemm keeps only those)
         ctx.carried = tuple(casts or {})
         carried = [t for n in ctx.carried for t in stored(casts[n], plan.spec(n), x.device)]
         needs_x = "input" not in (ROLES[i].operand for i in map(ROLE_NAMES.index, ctx.carried))
         kept = (tensors[name] for name in plan.saved_casts)
-        ctx.save_for_backward(x if needs_x else None, w, *kept, *carried)
+        ctx.deferred = tuple(deferred)
+        ctx.save_for_backward(x if needs_x else None, w, *kept, *carried, *deferred.values())
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w, *rest = ctx.saved_tensors
+        if ctx.deferred:  # the forward's delayed casts record now, once per forward (see the class doc)
+            amaxes, rest = rest[-len(ctx.deferred) :], rest[: -len(ctx.deferred)]
+            for i, amax in zip(ctx.deferred, amaxes, strict=True):
+                delayed.record(ctx.state.history[i], ctx.plan.specs[i], amax)
         w = backward_weight(w, ctx.plan)
         n = len(ctx.plan.saved_casts)
         tensors = {"weight": w, "grad_output": dy} | ({"input": x} if x is not None else {})  # dy (M, N)
