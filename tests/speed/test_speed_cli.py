@@ -78,8 +78,9 @@ def test_the_8b_preset_resolves_to_the_published_setups_targets():
     assert note.startswith("note: tokenizer absent here")
     pred, _ = cli.predict_run(config, gpu("B200"), None, 8)
     ours = decoder_targets(LLAMA3_8B, 1, 8192, recipe_plans("mxfp8"), recompute=0.5)
-    keys = lambda ts: sorted(
-        (t.fqn, t.in_features, t.out_features, t.tokens, t.count, t.recompute) for t in ts
-    )  # noqa: E731
+
+    def keys(targets):
+        return sorted((t.fqn, t.in_features, t.out_features, t.tokens, t.count, t.recompute) for t in targets)
+
     assert keys(r.target for r in pred.rows) == keys(ours)
     assert pred.speedup == pytest.approx(predict(ours, gpu("B200")).speedup, rel=1e-12)
