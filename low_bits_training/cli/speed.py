@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
+from low_bits_training.cli.runner import REPO
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.speed import GPUS, GemmTarget, GpuSpec, Prediction, gpu, predict
 
@@ -24,7 +24,6 @@ TOKENIZER_FREE = ["--dataloader.dataset", "lbt_markov", "--dataloader.dataset_pa
 AC_RECOMPUTE = {"SelectiveAC": 0.5, "FullAC": 1.0, "MemoryBudgetAC": 0.5}
 """Activation checkpointing config class -> extra forward passes of the linears (torchtitan's per-op
 selective AC recomputes every second matmul)."""
-REPO = Path(__file__).resolve().parents[2]
 
 
 def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
