@@ -112,11 +112,24 @@ def rht(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor
         )
     axis = axis % x.dim()
     # Blocks stay in place (no transpose): dim axis becomes (blocks, size), the butterfly runs along size.
-    s = torch.tensor(signs, dtype=torch.float32, device=x.device).reshape(
-        (size,) + (1,) * (x.dim() - axis - 1)
-    )
+    s = sign_tensor(signs, x.device).reshape((size,) + (1,) * (x.dim() - axis - 1))
     v = _butterfly(x.to(torch.float32).unflatten(axis, (-1, size)) * s, size, axis)
     return (v * (1.0 / math.sqrt(size))).flatten(axis, axis + 1)  # exact for sizes 4**k
+
+
+_SIGN_TENSORS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def sign_tensor(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``signs`` as an fp32 tensor on ``device``, made once per (signs, device) and kept: a ``torch.tensor``
+    per call would copy host-to-device at every cast, which a CUDA graph capture refuses (the first call,
+    the capture's warm-up step, makes it). While torch.compile traces, a constant of the graph instead."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(signs, dtype=torch.float32, device=device)
+    key = (signs, torch.device(device))
+    if key not in _SIGN_TENSORS:
+        _SIGN_TENSORS[key] = torch.tensor(signs, dtype=torch.float32, device=device)
+    return _SIGN_TENSORS[key]
 
 
 def rht_reference(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor:

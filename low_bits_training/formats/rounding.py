@@ -277,8 +277,8 @@ def _overflow(y: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """Apply the overflow rule to a rounded magnitude y (NaN stays NaN)."""
     if saturate or fmt.saturates_always:
         return y.clamp_max_(fmt.max)  # clamp propagates NaN
-    over = torch.tensor(float("inf") if fmt.has_inf else float("nan"), device=y.device)
-    return torch.where(y > fmt.max, over, y)
+    # a Python scalar, not a tensor made per call (no host-to-device copy in a captured CUDA graph)
+    return torch.where(y > fmt.max, float("inf") if fmt.has_inf else float("nan"), y)
 
 
 def _unsigned_fixups(y: torch.Tensor, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -286,7 +286,7 @@ def _unsigned_fixups(y: torch.Tensor, x: torch.Tensor, fmt: FloatFormat) -> torc
     # so anything below its smallest value becomes 2**-127 (like torch's float8_e8m0fnu cast).
     if not fmt.has_zero:
         y = torch.clamp_min(y, fmt.min_normal)
-    return torch.where(x < 0, torch.tensor(float("nan"), device=y.device), y)
+    return torch.where(x < 0, float("nan"), y)
 
 
 def round_magnitude(a: torch.Tensor, fmt: Format, rounding: str, saturate: bool, generator=None):
