@@ -11,7 +11,9 @@ table, ``lbt-doctor``, the benchmarks and the docs all ask that function. Values
 - ``torchtitan``: a layer the base's own torchtitan converter already swapped (its numerics are torchtitan's).
 
 Which layers torchao can take follows from the plan alone (``nn.torchao_modules.torchao_recipe``): a layer goes to
-torchao only when torchao's module computes the same numerics as the layer's plan.
+torchao only when torchao's module computes the same numerics as the layer's plan. Why a layer does not get
+torchao's kernel (no module computes its plan, its shape, the hardware, a kernel missing from the installed
+torchao) is ``fallback_reason``: one answer for the plan table, lbt-doctor and the logs.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class Hardware:
     """CUDA compute capability (9, 0) for H100, (10, 0) for B200; None on CPU."""
     torchao: bool = True
     """torchao is importable (training also needs torchtitan, which the launcher always has)."""
+    mxfp8_cuda_cast: bool = True
+    """torchao's compiled extension has the MXFP8 dim-1 cast kernel (``torch.ops.torchao.mxfp8_quantize``
+    with a CUDA kernel: torchao built for this torch, CUDA >= 12.8, SM100). Named hardware (doctor, tests)
+    assumes it; ``detect_hardware`` checks it."""
+    triton: bool = True
+    """Triton can compile for this device (torchao's Triton casts; ``torch.utils._triton.has_triton``)."""
 
     def has(self, need: tuple[int, int]) -> bool:
         """True on a CUDA device of at least compute capability ``need``."""
@@ -61,8 +69,28 @@ def detect_hardware() -> Hardware:
 
     have_ao = importlib.util.find_spec("torchao") is not None
     if not torch.cuda.is_available():
-        return Hardware("cpu", None, have_ao)
-    return Hardware("cuda", tuple(torch.cuda.get_device_capability(0)), have_ao)
+        return Hardware("cpu", None, have_ao, mxfp8_cuda_cast=False, triton=False)
+    from torch.utils._triton import has_triton
+
+    capability = tuple(torch.cuda.get_device_capability(0))
+    return Hardware("cuda", capability, have_ao, have_ao and mxfp8_cuda_cast_built(), has_triton())
+
+
+def mxfp8_cuda_cast_built() -> bool:
+    """True when ``torch.ops.torchao.mxfp8_quantize`` exists with a CUDA kernel. torchao defines the op's
+    schema on SM100 with CUDA >= 12.8 (prototype/mx_formats/kernels.py) and its compiled extension registers
+    the kernel (it does so on any machine: a kernel without a schema is no op); where the extension did not
+    load for this torch build, torchao only warns, and the first backward of an MXFP8 layer would raise. (``torch._C._dispatch_has_kernel_for_dispatch_key``: listed in
+    titan/compat.py ``UPSTREAM``.)"""
+    import torch
+
+    try:
+        import torchao.prototype.mx_formats.kernels  # noqa: F401  (defines the op where it can exist)
+
+        defined = hasattr(torch.ops.torchao, "mxfp8_quantize")  # the schema: only where torchao defines it
+        return defined and torch._C._dispatch_has_kernel_for_dispatch_key("torchao::mxfp8_quantize", "CUDA")
+    except (ImportError, RuntimeError):  # RuntimeError: the op is not defined here
+        return False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,6 +122,29 @@ def torchao_kernel_refusal(recipe: TorchaoRecipe, hw: Hardware) -> str | None:
     if not hw.has(need):
         return f"{recipe.module} kernels need CUDA SM{need[0]}{need[1]}+, this is {hw}"
     return None
+
+
+def mxfp8_dim1_kernel(requested: str, hw: Hardware) -> tuple[str, str | None]:
+    """The MXFP8 dim-1 cast kernel a torchao MXFP8 layer runs (``[quantize.torchao] mxfp8_dim1_cast_kernel``
+    as far as ``hw`` has it), and why it differs from ``requested`` (None: it does not).
+
+    The CUDA kernel falls back to torchao's Triton cast (the same e8m0 scales and e4m3 values), Triton to
+    torchao's plain torch cast. Only where torchao's kernels run (SM100): its emulated mode casts in torch.
+    """
+    if not hw.has((10, 0)):
+        return requested, None
+    if requested == "cuda" and not hw.mxfp8_cuda_cast:
+        instead = "triton" if hw.triton else "torch"
+        return instead, (
+            "torchao's MXFP8 CUDA cast (torch.ops.torchao.mxfp8_quantize) is not built into this torchao for "
+            f"this torch / CUDA; dim-1 casts use its {instead} kernel"
+        )
+    if requested == "triton" and not hw.triton:
+        return (
+            "torch",
+            f"Triton is not available here; dim-1 casts use torchao's torch kernel, not {requested}",
+        )
+    return requested, None
 
 
 def torchao_shape_refusal(recipe: TorchaoRecipe, in_features: int, out_features: int, tp: int) -> str | None:
@@ -154,6 +205,62 @@ def layer_backends(
     if setting == "torchao" and hw.torchao:
         return ("torchao_emulated",) * len(GEMMS)
     return ("emulate",) * len(GEMMS)
+
+
+def _why_no_torchao(plan: LinearPlan) -> str:
+    """The first feature of a plan no torchao training module computes (for ``fallback_reason``)."""
+    specs = [s for s in plan.specs if s is not None]
+    checks = (
+        (lambda s: s.scaling == "block" and (s.block_size, s.scale_format) == (16, "ue4m3"),
+         "NVFP4 (torchao's NVFP4Linear rounds differently: docs/precision_plan.md)"),
+        (lambda s: s.amax_history > 0, "delayed scaling (torchao scales from the current amax)"),
+        (lambda s: s.rht > 0, "a random Hadamard transform"),
+        (lambda s: s.rounding != "nearest", lambda s: f"{s.rounding} rounding"),
+        (lambda s: s.format not in ("e4m3", "e5m2"), lambda s: f"format {s.format}"),
+        (lambda s: s.source != "high", "a cast of the forward's cast (source = 'forward')"),
+        (lambda s: s.scaling == "tile" or s.scaling == "block" and (s.block_size, s.scale_format) != (32, "e8m0"),
+         lambda s: f"{s.scaling} scaling (size {s.block_size}, {s.scale_format} scales)"),
+    )  # fmt: skip
+    for test, why in checks:
+        hit = next((s for s in specs if test(s)), None)
+        if hit is not None:
+            return why(hit) if callable(why) else why
+    return "its casts match no torchao recipe (a GEMM with one operand high, or mixed scale roundings)"
+
+
+def fallback_reason(plan: LinearPlan, shape, hw: Hardware, setting: str, opts: TorchaoOptions | None = None):
+    """Why a layer does not run torchao's hardware kernel under ``[quantize] backend = setting`` on ``hw``
+    (None: it does, or nothing asked for it: ``emulate``, or a high-precision plan). The one answer the
+    plan table, lbt-doctor and the logs give for a fallback.
+
+    Args:
+        plan: the layer's plan (numerics; its backends are not read).
+        shape: its ``config.plan.LayerShape`` (in_features, out_features, tp, grouped).
+        hw: the hardware (``detect_hardware``, or named: ``Hardware("cuda", (10, 0))``).
+        setting: ``[quantize] backend``.
+        opts: ``[quantize.torchao]`` (the MXFP8 dim-1 cast kernel asked for; default: torchao's).
+
+    Returns:
+        One line: what falls back to what, and why; None.
+    """
+    if setting == "emulate" or all(s is None for s in plan.specs):
+        return None
+    grouped = getattr(shape, "grouped", False)
+    recipe = torchao_grouped_recipe(plan) if grouped else torchao_recipe(plan)
+    if recipe is None:
+        return f"emulated: torchao has no {'grouped ' if grouped else ''}training module for {_why_no_torchao(plan)}"
+    tp = getattr(shape, "tp", 1)
+    m = recipe.dim_multiple
+    if grouped and (tp > 1 or shape.in_features % m or shape.out_features % m):
+        return f"emulated: {recipe.module} needs expert dims divisible by {m} and no TP"
+    if not grouped and (why := torchao_shape_refusal(recipe, shape.in_features, shape.out_features, tp)):
+        return f"emulated: {why}"
+    if (why := torchao_kernel_refusal(recipe, hw)) is not None:
+        emulated = setting == "torchao" and hw.torchao and (not grouped or recipe.emulated_name is not None)
+        return f"{'torchao emulated' if emulated else 'emulated'}: {why}"
+    if recipe.module.startswith("MXFP8"):
+        return mxfp8_dim1_kernel((opts or TorchaoOptions()).mxfp8_dim1_cast_kernel, hw)[1]
+    return None
 
 
 def gemm_backend(plan: LinearPlan, gemm: str) -> GemmBackend:

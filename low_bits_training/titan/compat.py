@@ -85,6 +85,20 @@ UPSTREAM: dict[str, Upstream] = {
         "",  # a table: the test compares its keys with memory_categories()
         "the order of the categories in export_memory_timeline's JSON (we draw the plot ourselves)",
     ),
+    "fp8_store_guard": Upstream(
+        "torchao.float8._inductor_patch:_patch_inductor_min_max_codegen",
+        42,
+        "e2de1f3b359def05",
+        "torchao's guard against Triton's NaN/Inf fp8 stores (triton-lang/triton#11111), which torchao applies "
+        "only in convert_to_float8_training; we build torchao's modules through config classes instead",
+    ),
+    "dispatch_has_kernel": Upstream(
+        "torch._C:_dispatch_has_kernel_for_dispatch_key",
+        0,
+        "",  # a C function: tests/titan/test_gpu_path.py checks what it says for a known op
+        "whether torchao's compiled MXFP8 dim-1 cast has a CUDA kernel (config/backends.py, which cannot "
+        "import this module, calls it directly: mxfp8_cuda_cast_built)",
+    ),
     "float8_grouped_experts": Upstream(
         "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls",
         179,
@@ -349,6 +363,32 @@ def fsdp_sharded_local(fsdp_param: Any) -> Any:
     """A parameter's local shard tensor (``FSDPParam._sharded_local_tensor``): torchao's Float8 weight
     wrapper carries ``fsdp_pre_all_gather`` there."""
     return fsdp_param._sharded_local_tensor
+
+
+# --- torchao.float8._inductor_patch ---------------------------------------------------------------------------
+
+
+def guard_fp8_stores() -> None:
+    """Apply torchao's workaround for Triton's fp8-store miscompile (triton-lang/triton#11111: inductor's
+    ``tl.minimum/maximum(..., PropagateNan.ALL)`` codegen makes Triton write garbage bytes, read back as
+    NaN/Inf, in a neighbouring transposed 1-byte store; torchao saw it in compiled FSDP2 float8 runs).
+
+    Upstream: torchao/float8/_inductor_patch.py ``_patch_inductor_min_max_codegen`` (line 42), called only
+    from ``convert_to_float8_training`` (float8_linear_utils.py); torchtitan's config classes and ours build
+    torchao's modules without it. It swaps inductor's Triton min/max codegen for the ``tl.where`` form:
+    the same values (NaN propagates alike), process-wide, idempotent; no effect on CPU code (C++ codegen).
+    """
+    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
+
+    _patch_inductor_min_max_codegen()
+
+
+def fp8_stores_guarded() -> bool:
+    """True when inductor's Triton ``maximum`` / ``minimum`` emit the ``tl.where`` form (``guard_fp8_stores``
+    applied, or inductor itself back on that form)."""
+    from torch._inductor.codegen.triton import TritonOverrides
+
+    return all(f("a", "b").startswith("tl.where") for f in (TritonOverrides.maximum, TritonOverrides.minimum))
 
 
 # --- torchtitan's MoE pieces -------------------------------------------------------------------------------

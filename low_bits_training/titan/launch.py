@@ -45,8 +45,10 @@ def build_config(argv: list[str]):
     from low_bits_training.config.tree import ConfigError
     from low_bits_training.titan import datasets
     from low_bits_training.titan.configure import load_config
+    from low_bits_training.titan.graphs import apply_graph_policy
     from low_bits_training.titan.optim import adapt_optimizer_config
     from low_bits_training.titan.targets import apply_run
+    from low_bits_training.titan.torchao_backend import guard_torchao_modules
 
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
@@ -57,6 +59,8 @@ def build_config(argv: list[str]):
         raise ConfigError(str(e).splitlines()[0]) from None
     adapt_optimizer_config(config)  # low-bit / torchao optimizer names: checked kwargs, our container
     apply_run(config)  # the run resolved once (titan/targets.py); its targets converted, before any build
+    guard_torchao_modules(config.model_spec.model)  # torchao's fp8-store NaN guard, before any compile
+    apply_graph_policy(config, on_cpu)  # CUDA graphs off where the run is not capturable (titan/graphs.py)
     datasets.register()
     datasets.prepare_assets(config)
     if on_cpu:
@@ -126,6 +130,7 @@ def run(config, on_start) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     logger.info("Training finished")
+
 
 def remove_empty_comm_traces(config) -> None:
     """After a run that ended well, rank 0 removes ``<dump_folder>/comm_traces`` if it is empty.

@@ -10,11 +10,17 @@ the layer's plan and torchao's options; torchtitan's *converters* are not used, 
   compiled equals eager bit for bit for all three Float8 recipes, docs/precision_plan.md);
 - replace the chosen Float8 recipe by tensorwise whenever ``emulate`` is set, and do not expose the MXFP8
   kernel choices, the scale mode or ``wgrad_with_hp``.
+
+Whatever builds torchao's low-bit modules here also applies torchao's guard against Triton's fp8-store
+miscompile (``compat.guard_fp8_stores``), which torchao itself applies only in ``convert_to_float8_training``:
+our module classes in their constructor, and the launcher for every torchao module of the model config tree
+(``guard_torchao_modules``: ours and those a base's torchtitan converter put there).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +28,10 @@ from torchtitan.components.quantization.float8 import Float8Linear as _TitanFloa
 from torchtitan.components.quantization.mx import MXFP8Linear as _TitanMXFP8Linear
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.backends import TorchaoOptions
+from low_bits_training.config.backends import TorchaoOptions, detect_hardware, mxfp8_dim1_kernel
 from low_bits_training.nn import LinearPlan, torchao_modules
 from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_recipe
+from low_bits_training.titan.compat import guard_fp8_stores
 
 
 def float8_config(recipe: TorchaoRecipe, opts: TorchaoOptions, emulate: bool):
@@ -59,6 +66,7 @@ class TorchaoFloat8Linear(_TitanFloat8Linear):
         """The layer's plan (numerics torchao computes; backends ``torchao`` / ``torchao_emulated``)."""
 
     def __init__(self, config: Config):
+        guard_fp8_stores()  # before anything of this module is compiled (see the module doc)
         super().__init__(config)
         if self.config.enable_fsdp_float8_all_gather:
             # What torchao's Float8Linear.from_float does; torchtitan's module class skips it. The wrapper
@@ -88,13 +96,15 @@ class TorchaoMXFP8Linear(_TitanMXFP8Linear):
         dim1_cast_kernel: str = "cuda"
 
     def __init__(self, config: Config):
+        guard_fp8_stores()  # MXFP8's dim-1 cast writes transposed fp8 bytes too
         super().__init__(config)
+        dim1 = config.dim1_cast_kernel if config.emulated else available_dim1_kernel(config.dim1_cast_kernel)
         self.kernels = torchao_modules.MXFP8Kernels(
             config.emulated,
             config.scale_mode,
             config.wgrad_high,
             config.dim0_cast_kernel,
-            config.dim1_cast_kernel,
+            dim1,
         )
         # torchao's own attributes, kept true for anything that inspects them (forward reads self.kernels).
         self.kernel_preference, self.scale_calculation_mode = self.kernels.torchao_enums()[:2]
@@ -105,8 +115,45 @@ class TorchaoMXFP8Linear(_TitanMXFP8Linear):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
+@functools.cache
+def available_dim1_kernel(requested: str) -> str:
+    """The MXFP8 dim-1 cast kernel this process can run for ``requested`` (``config.backends.mxfp8_dim1_kernel``
+    on the detected hardware), logged once when it differs: torchao itself only warns at import when its CUDA
+    extension is missing, and the first backward would then raise."""
+    kernel, why = mxfp8_dim1_kernel(requested, detect_hardware())
+    if why:
+        logger.warning(f"torchao MXFP8: {why}")
+    return kernel
+
+
 TORCHAO_CONFIGS = (TorchaoFloat8Linear.Config, TorchaoMXFP8Linear.Config)
 """Config classes of the layers this backend builds (for walking the model config tree)."""
+_TITAN_QUANTIZATION = "torchtitan.components.quantization."
+"""The package of torchtitan's torchao module classes (Float8 / MXFP8 / NVFP4 linears and grouped experts)."""
+
+
+def torchao_modules_in(model_config) -> list[str]:
+    """FQNs of the modules of a model config tree that torchao's low-bit kernels run: this backend's
+    (``TORCHAO_CONFIGS``) and those torchtitan's quantization converters swapped in."""
+    from torchtitan.config import Configurable
+
+    return [
+        fqn
+        for fqn, cfg, _, _ in model_config.traverse(Configurable.Config, recurse=True)
+        if any(c.__module__.startswith(_TITAN_QUANTIZATION) for c in type(cfg).__mro__)
+    ]  # ours subclass torchtitan's classes; so do wrappers such as LoRA's frozen configs
+
+
+def guard_torchao_modules(model_config) -> bool:
+    """Apply torchao's fp8-store guard (``compat.guard_fp8_stores``) when the model has torchao modules.
+
+    Returns:
+        True when it has (the guard is then applied).
+    """
+    found = bool(torchao_modules_in(model_config))
+    if found:
+        guard_fp8_stores()
+    return found
 
 
 def layer_config(linear_cfg, plan: LinearPlan, opts: TorchaoOptions):

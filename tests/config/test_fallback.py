@@ -1,0 +1,97 @@
+"""Why a layer does not get torchao's kernel (``config.backends.fallback_reason``), per recipe and simulated
+GPU, and the MXFP8 dim-1 cast kernel checked, not assumed (issue 29)."""
+
+from __future__ import annotations
+
+import pytest
+
+from low_bits_training.config.backends import (
+    Hardware,
+    detect_hardware,
+    fallback_reason,
+    mxfp8_cuda_cast_built,
+    mxfp8_dim1_kernel,
+)
+from low_bits_training.config.plan import LayerShape
+from low_bits_training.config.recipes import RECIPES
+from low_bits_training.nn import LinearPlan
+
+CPU, H100, B200 = Hardware(), Hardware("cuda", (9, 0)), Hardware("cuda", (10, 0))
+B200_NO_CAST = Hardware("cuda", (10, 0), mxfp8_cuda_cast=False)
+SHAPE = LayerShape(256, 512)
+NO_MODULE = "emulated: torchao has no training module for "
+NVFP4 = NO_MODULE + "NVFP4 (torchao's NVFP4Linear rounds differently: docs/precision_plan.md)"
+FLOAT8_SM89 = "emulated: Float8Linear kernels need CUDA SM89+, this is "
+MXFP8_SM100 = "emulated: MXFP8Linear kernels need CUDA SM100+, this is "
+NO_CAST = (
+    "torchao's MXFP8 CUDA cast (torch.ops.torchao.mxfp8_quantize) is not built into this torchao for this "
+    "torch / CUDA; dim-1 casts use its triton kernel"
+)
+EXPECTED = {  # recipe: (CPU, H100, B200, B200 without torchao's CUDA cast)
+    "bf16": (None, None, None, None),
+    "fp8_tensorwise": (FLOAT8_SM89 + "CPU", None, None, None),
+    "fp8_rowwise": (FLOAT8_SM89 + "CPU", None, None, None),
+    "fp8_rowwise_hp_wgrad": (FLOAT8_SM89 + "CPU", None, None, None),
+    "mxfp8": (MXFP8_SM100 + "CPU", MXFP8_SM100 + "CUDA SM90", None, NO_CAST),
+    "deepseek_fp8": (NO_MODULE + "block scaling (size 128, fp32 scales)",) * 4,
+    "mxfp6": (NO_MODULE + "format e2m3",) * 4,
+    "mxfp4": (NO_MODULE + "format e2m1",) * 4,
+    "int8": (NO_MODULE + "format int8",) * 4,
+    "fp8_delayed": (NO_MODULE + "delayed scaling (torchao scales from the current amax)",) * 4,
+    "mxfp8_2d_weights": (NO_MODULE + "tile scaling (size 32, e8m0 scales)",) * 4,
+    "fp8_rowwise_2d_weights": (NO_MODULE + "tile scaling (size 128, fp32 scales)",) * 4,
+    **{r: (NVFP4,) * 4 for r in RECIPES if r.startswith("nvfp4")},
+}
+
+
+def test_every_recipe_is_in_the_table():
+    assert set(EXPECTED) == set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_fallback_reason_per_recipe_and_gpu(recipe):
+    plan = LinearPlan.from_roles(RECIPES[recipe])
+    got = tuple(fallback_reason(plan, SHAPE, hw, "auto") for hw in (CPU, H100, B200, B200_NO_CAST))
+    assert got == EXPECTED[recipe]
+    assert fallback_reason(plan, SHAPE, B200, "emulate") is None  # asked for: not a fallback
+
+
+def test_torchao_setting_names_torchaos_emulated_mode_and_shapes():
+    plan = LinearPlan.from_recipe("fp8_rowwise")
+    assert fallback_reason(plan, SHAPE, CPU, "torchao") == "torchao emulated: " + FLOAT8_SM89[10:] + "CPU"
+    assert fallback_reason(plan, LayerShape(250, 512), H100, "auto") == (
+        "emulated: Float8Linear needs features divisible by 16 per TP shard, got 250x512"
+    )
+    experts = LayerShape(256, 512, tokens_multiple=0, kind="experts")
+    assert fallback_reason(LinearPlan.from_recipe("mxfp8"), experts, B200, "auto") is None
+    assert fallback_reason(plan, experts, CPU, "torchao") == (  # grouped Float8 has no emulated mode
+        "emulated: Float8GroupedExperts kernels need CUDA SM89+, this is CPU"
+    )
+
+
+def test_the_mxfp8_dim1_cast_kernel_is_checked():
+    assert mxfp8_dim1_kernel("cuda", B200) == ("cuda", None)
+    assert mxfp8_dim1_kernel("cuda", B200_NO_CAST) == ("triton", NO_CAST)
+    no_triton = Hardware("cuda", (10, 0), mxfp8_cuda_cast=False, triton=False)
+    assert mxfp8_dim1_kernel("cuda", no_triton)[0] == "torch"
+    assert mxfp8_dim1_kernel("triton", no_triton)[0] == "torch"
+    assert mxfp8_dim1_kernel("cuda", H100) == ("cuda", None)  # no kernel runs there: emulated mode
+    assert not mxfp8_cuda_cast_built() and not detect_hardware().mxfp8_cuda_cast  # this CPU machine
+
+
+def test_an_mxfp8_module_casts_with_a_kernel_that_exists(monkeypatch):
+    from torchtitan.models.common.linear import Linear
+
+    from low_bits_training.config.backends import TorchaoOptions
+    from low_bits_training.titan import torchao_backend
+
+    monkeypatch.setattr(torchao_backend, "detect_hardware", lambda: B200_NO_CAST)
+    torchao_backend.available_dim1_kernel.cache_clear()
+    try:
+        plan = LinearPlan(LinearPlan.from_recipe("mxfp8").specs, backends=("torchao",) * 3)
+        cfg = torchao_backend.layer_config(
+            Linear.Config(in_features=64, out_features=64), plan, TorchaoOptions()
+        )
+        assert cfg.dim1_cast_kernel == "cuda" and cfg.build().kernels.dim1_cast_kernel == "triton"
+    finally:
+        torchao_backend.available_dim1_kernel.cache_clear()
