@@ -15,6 +15,8 @@ import json
 import os
 import sys
 import tomllib
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from low_bits_training.config.tree import (
     diff,
     field_types,
     literal_choices,
+    named_choices,
     public_fields,
 )
 from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
@@ -141,26 +144,172 @@ def load_config(
 def parse_cli(config: LowBitsTrainer.Config, args: list[str]) -> LowBitsTrainer.Config:
     """Apply torchtitan-style command-line flags on top of ``config`` (tyro, torchtitan's rules).
 
-    ``--help`` prints tyro's help and exits (SystemExit 0), as torchtitan's own entry point does.
+    ``--help`` prints tyro's help and exits (SystemExit 0), as torchtitan's own entry point does. Flags of
+    fields tyro cannot take as ``--a.b value`` are applied first, as the TOML loader applies them
+    (``table_flags``).
 
     Raises:
-        ConfigError: a flag tyro refuses, in one line (tyro's own message is a framed box).
+        ConfigError: a flag tyro refuses, in one line naming the flag (tyro's own message is a framed box).
     """
     if not args:
         return config
+    if "--help" in args or "-h" in args:
+        return _tyro(config, args)
+    args = table_flags(config, args)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            return _tyro(config, args) if args else config
+    except SystemExit:
+        message = unknown_flag(config, args) or refused_choice(config, args) or tyro_message(out.getvalue())
+        if message.startswith(f"command line: {_NO_PARSER}"):
+            message = unparsable_flag(config, args) or message
+        raise ConfigError(message) from None
+
+
+def _tyro(config: LowBitsTrainer.Config, args: list[str]) -> LowBitsTrainer.Config:
     import tyro
     from torchtitan.config.manager import custom_registry
 
     config_manager()  # torchtitan's tyro rules are registered when it is made
-    if "--help" in args or "-h" in args:
-        return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
-    out = io.StringIO()
+    return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
+
+
+_NO_PARSER = "Could not create CLI parser"
+"""How tyro's message starts when it fails before it parses (it names a type, not the flag)."""
+
+
+def _field_at(config: Any, name: str) -> tuple[Any, str, Any, str, str | None] | None:
+    """Where a flag lands: ``(parent dataclass, field name, annotation, parent's section path, the choice
+    field the path runs through or None)``; None when the path names no field of a dataclass (the parent
+    may be None: a choice set to ``none``)."""
+    *path, last = name.replace("-", "_").split(".")
+    parent, through = config, None
+    for i, part in enumerate(path):
+        if dataclasses.is_dataclass(parent) and named_choices(field_types(type(parent)).get(part)):
+            through = ".".join(path[: i + 1])
+        parent = getattr(parent, part, None)
+    if through is not None and parent is None:
+        return None, last, field_types(type(config)).get(through.split(".")[0]), ".".join(path), through
+    if not dataclasses.is_dataclass(parent) or isinstance(parent, type):
+        return None
+    return parent, last, field_types(type(parent)).get(last, Any), ".".join(path), through
+
+
+def _is_table_list(tp: Any) -> bool:
+    # list[SomeDataclass], possibly inside Annotated / Optional: TOML's array of tables
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    for m in members:
+        args = typing.get_args(m) if typing.get_origin(m) is list else ()
+        if args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+            return True
+    return False
+
+
+def table_flags(config: Any, args: list[str]) -> list[str]:
+    """Apply the flags tyro cannot take in torchtitan's ``--a.b value`` form as the TOML loader applies the
+    same key (``config.tree.apply_dict``), and return argv without them:
+
+    - a named choice (``--activation_checkpoint selective``; tyro itself wants the subcommand token
+      ``activation-checkpoint:selective``, which still works alone);
+    - a field of the chosen one (``--activation_checkpoint.preserve_rng_state false``: tyro fails to build
+      its parser for any flag after a subcommand token here);
+    - a list of tables, given as a TOML inline array (``--quantize.rules '[]'``,
+      ``--quantize.rules '[{layers = ["layers.*"], format = "e4m3"}]'``).
+
+    Raises:
+        ConfigError: a value the field refuses, or a field the choice does not have, naming the flag's key.
+    """
+    args = _subcommand_tokens(config, args)
+    drop: set[int] = set()
+    for flag in scan(args):
+        found = _field_at(config, flag.name)
+        if found is None or len(flag.values) != 1:
+            continue
+        parent, last, tp, where, through = found
+        key = f"{where}.{last}" if where else last
+        if through is not None:
+            value = _choice_field_value(parent, last, tp, key, through, flag.values[0])
+        elif named_choices(tp):
+            value = flag.values[0]
+        elif _is_table_list(tp):
+            value = _toml_value(key, flag.values[0])
+        else:
+            continue
+        apply_dict(parent, {last: value}, where)
+        drop.update(range(flag.start, flag.end))
+    return [a for i, a in enumerate(args) if i not in drop]
+
+
+def _subcommand_tokens(config: Any, args: list[str]) -> list[str]:
+    # tyro's own spelling of a choice, ``activation-checkpoint:selective``: applied like the flag form, so
+    # the choice's fields may follow as flags (tyro cannot take them after the token here).
+    out = []
+    for token in args:
+        name, sep, choice = token.partition(":")
+        found = _field_at(config, name) if sep and not token.startswith("-") and "/" not in token else None
+        if found is not None and found[4] is None and choice in named_choices(found[2]):
+            apply_dict(found[0], {found[1]: choice}, found[3])
+        else:
+            out.append(token)
+    return out
+
+
+def _choice_field_value(parent: Any, last: str, tp: Any, key: str, through: str, text: str) -> Any:
+    # A field of a chosen config (``activation_checkpoint.debug``): its value from the command-line text.
+    if parent is None:  # tp: the top-level choice field's annotation (see _field_at)
+        names = ", ".join(repr(n) for n in named_choices(tp))
+        raise ConfigError(
+            f"--{key}: {through} is 'none'; choose one of {names} first (--{through} <name>), then give "
+            f"its fields as --{through}.<field> <value>"
+        )
+    allowed = public_fields(parent)
+    if last not in allowed:
+        raise ConfigError(
+            f"unknown flag '--{key}'; allowed keys in [{through}] ({type(parent).__qualname__}): "
+            f"{', '.join(sorted(allowed))}"
+        )
     try:
-        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
-            return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
-    except SystemExit:
-        message = unknown_flag(config, args) or refused_choice(config, args) or tyro_message(out.getvalue())
-        raise ConfigError(message) from None
+        return coerce(text, tp, key)  # strings and string choices as given
+    except ConfigError:
+        literal = text.lower() if text in ("True", "False") else text  # tyro's spelling of booleans
+        try:
+            return tomllib.loads(f"v = {literal}")["v"]  # numbers, booleans, arrays; apply_dict checks
+        except tomllib.TOMLDecodeError:
+            return text  # apply_dict refuses it in the TOML loader's words
+
+
+def _toml_value(key: str, text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(
+            f'--{key} {text!r}: expected a TOML inline array of tables, e.g. \'[{{layers = ["layers.*"], '
+            f'format = "e4m3"}}]\' (or write [[{key}]] tables in the TOML file)'
+        ) from None
+
+
+def unparsable_flag(config: Any, args: list[str]) -> str | None:
+    """The first flag tyro refuses on its own, as one line naming it (None: each parses alone).
+
+    For tyro's failures that name no flag: with this config tree, tyro's error report itself fails to build
+    its parser (``Could not create CLI parser ...``, about ``quantize.rules``' type) for any refused value, so
+    each flag is tried alone to find the one it refused.
+    """
+    for flag in scan(args):
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+                _tyro(config, args[flag.start : flag.end])
+        except SystemExit:
+            given = " ".join(args[flag.start : flag.end])
+            return (
+                f"command line: {given}: refused (a value this flag does not take, or the wrong number of "
+                "values; --help lists each flag's type, or set the key in the TOML file)"
+            )
+    return None
 
 
 def unknown_flag(config: Any, args: list[str]) -> str | None:

@@ -8,8 +8,9 @@ through it. In this process, before any rank starts:
 
 - the config is resolved exactly as each rank will resolve it (``launch.build_config``) and checked as a whole
   (``validate.check_run``: value ranges, parallel degrees against NGPU x nodes, the model's own checks, the
-  checkpoint it would resume from). Bad input is one line, exit code 2 (4 for a checkpoint), no traceback,
-  and nothing is written to the run folder;
+  checkpoint it would resume from), and several ranks without a visible accelerator are refused where GPUs
+  were meant (``accelerator_refusal``). Bad input is one line, exit code 2 (4 for a checkpoint), no
+  traceback, and nothing is written to the run folder;
 - then torchrun runs in this same process (no second interpreter start). A rank that ends on purpose
   (``config/exits.py``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
   torchrun's error file; it is printed here once, and this process exits with that rank's code. A crash keeps
@@ -26,9 +27,11 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 from low_bits_training.config.exits import ENDINGS, SIGNAL_BASE, ExitCode, classify
@@ -36,6 +39,11 @@ from low_bits_training.titan import noise
 from low_bits_training.titan.launch import UNDER_LAUNCHER
 
 WORKER = "low_bits_training.titan.launch"
+CPU_RANKS_PARAMS = 1_000_000_000
+"""The largest model (parameters) started as several CPU ranks without a word: the debug models (6M) and
+small research models train that way (README); an 8B model on 8 gloo ranks is a GPU node gone wrong."""
+ALLOW_CPU_RANKS = "LBT_ALLOW_CPU_RANKS"
+"""Set to 1 to start several CPU ranks where ``accelerator_refusal`` would refuse them."""
 CHECK_ONLY = "--check-only"
 """Launcher option (before ``--``): check the config and exit (0 or the check's code); torchrun never starts."""
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -81,6 +89,81 @@ def quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def nvidia_driver() -> str | None:
+    """The NVIDIA kernel driver this machine has (its version line, or "nvidia-smi" when only that is found),
+    or None: a sign the user meant GPUs."""
+    version = Path("/proc/driver/nvidia/version")
+    if version.is_file():
+        return version.read_text(errors="replace").splitlines()[0].strip()
+    return "nvidia-smi" if shutil.which("nvidia-smi") else None
+
+
+def accelerator_refusal(
+    processes: int, driver: str | None, params: int | None, cuda: str | None
+) -> str | None:
+    """Why the launcher refuses to start ``processes`` ranks on a machine where torch sees no accelerator
+    (they would be gloo CPU ranks), or None. GPUs were meant when an NVIDIA driver is installed (torch then
+    cannot use it: most often a driver too old for torch's CUDA build) or the model is larger than
+    ``CPU_RANKS_PARAMS``. One process is never refused (CPU runs of any config stay possible).
+
+    Args:
+        processes: NGPU x nodes.
+        driver: ``nvidia_driver()``.
+        params: the model's parameter count (None: unknown).
+        cuda: the CUDA version torch is built for (``torch.version.cuda``; None: a CPU build).
+    """
+    if processes <= 1:
+        return None
+    allow = f"or set {ALLOW_CPU_RANKS}=1 to start {processes} CPU ranks anyway"
+    if driver is not None:
+        build = f"a CUDA {cuda} build" if cuda else "a CPU-only build"
+        return (
+            f"NGPU x nodes = {processes}: this machine has an NVIDIA driver ({driver}) but torch sees no GPU "
+            f"(torch is {build}); install a torch build this driver runs (nvidia-smi names its CUDA "
+            f"version), check CUDA_VISIBLE_DEVICES, {allow}"
+        )
+    if params is not None and params > CPU_RANKS_PARAMS:
+        return (
+            f"NGPU x nodes = {processes}: no GPU is visible, so this would train a {params / 1e9:.1f}B-parameter "
+            f"model on {processes} CPU ranks (gloo); run it on a GPU node, use a debug config "
+            f"(train_configs/debug_model.toml), {allow}"
+        )
+    return None
+
+
+def check_accelerator(config, processes: int) -> None:
+    """``accelerator_refusal`` for this machine and ``config`` (nothing to check where torch sees an
+    accelerator or ``ALLOW_CPU_RANKS`` is set).
+
+    Raises:
+        ConfigError: the refusal, one line.
+    """
+    import torch
+
+    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.titan import cpu
+
+    if processes <= 1 or not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
+        return
+    driver = nvidia_driver()
+    why = accelerator_refusal(processes, driver, None if driver else model_params(config), torch.version.cuda)
+    if why:
+        raise ConfigError(why)
+
+
+def model_params(config) -> int | None:
+    """The configured model's parameter count, built on the meta device (no memory; 0.7 s for Llama 3
+    8B); None when it cannot be built that way."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = config.model_spec.model.build()
+    except Exception:  # a model we cannot build on meta: say nothing rather than refuse on a guess
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def check(training: list[str], processes: int):
     """Resolve and check the whole config in this process (see the module docstring).
 
@@ -99,6 +182,7 @@ def check(training: list[str], processes: int):
 
     with quiet():
         config = build_config(training)
+        check_accelerator(config, processes)
         return config, check_run(config, processes)
 
 
