@@ -154,6 +154,19 @@ UPSTREAM: dict[str, Upstream] = {
         "57d8388f72a1db30",
         "torchtitan's llama3 block builder (and its _output_linear_init, line 54), for the narrow debug base",
     ),
+    "dtensor_local_tensor": Upstream(
+        "torch.distributed.tensor._api:DTensor",
+        0,
+        "",  # an attribute set in DTensor.__new__ (no source of its own): tests/titan/test_quantize_train.py's
+        # torchao fp8 all-gather run depends on it
+        "a DTensor's ``_local_tensor`` as it is (``to_local()`` is an autograd view): torchao's fp8 weight wrapper",
+    ),
+    "has_triton": Upstream(
+        "torch.utils._triton:has_triton",
+        208,
+        "c77cb696cc0f4bef",
+        "whether Triton can compile here (config/backends.py reads it directly: config sits below titan)",
+    ),
     "fsdp_all_gather": Upstream(
         "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather",
         100,
@@ -430,3 +443,9 @@ def llama3_builders() -> tuple[Any, Any]:
     from torchtitan.models import llama3
 
     return llama3._build_llama3_layers, llama3._output_linear_init
+
+
+def dtensor_local_tensor(t: Any) -> Any:
+    """A DTensor's local tensor object itself (``DTensor._local_tensor``; ``to_local()`` returns an autograd
+    view, which hides torchao's fp8 weight wrapper class)."""
+    return t._local_tensor

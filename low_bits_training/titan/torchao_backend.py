@@ -232,5 +232,7 @@ def _is_fp8_all_gather_weight(module: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+    from low_bits_training.titan.compat import dtensor_local_tensor
+
     w = getattr(module, "weight", None)
-    return isinstance(w, DTensor) and isinstance(w._local_tensor, WeightWithDynamicFloat8CastTensor)
+    return isinstance(w, DTensor) and isinstance(dtensor_local_tensor(w), WeightWithDynamicFloat8CastTensor)
