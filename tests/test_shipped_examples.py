@@ -21,9 +21,19 @@ def test_the_documented_precision_grid_is_the_shipped_one():
     assert len(grid.points()) == 9 and (REPO / grid.config_file).is_file()
 
 
-def test_the_optimizer_presets_are_seeded():
+def test_the_optimizer_presets_are_the_debug_model_with_their_optimizer():
+    """Seeded like every debug preset, and otherwise the debug model, so their losses compare step for step
+    with docs/optimizers.md's table (benchmarks/optim_losses.py replaces the debug model's optimizer)."""
+
+    def rest(path):
+        data = tomllib.loads(path.read_text())
+        data.pop("optimizer")
+        data["job"] = {k: v for k, v in data["job"].items() if k == "base"}
+        return data
+
     presets = sorted((REPO / "train_configs" / "optim").glob("*.toml"))
-    assert presets and all(tomllib.loads(p.read_text()).get("debug", {}).get("seed") == 0 for p in presets)
+    base = rest(REPO / "train_configs" / "debug_model.toml")
+    assert presets and base["debug"]["seed"] == 0 and all(rest(p) == base for p in presets)
 
 
 def test_the_profiling_preset_writes_one_trace_window():
