@@ -154,6 +154,7 @@ def test_a_nan_in_an_expert_or_in_qk_is_named_and_stops(
     assert {f"{kind}.{n}" for n in (("w1", "w2", "w3") if "experts" in kind else ("qk", "pv"))} <= named
 
 
+@pytest.mark.slow  # by hand: ~400 plan resolutions (about a minute), none of what tests/tiers.py looks for
 def test_every_recipe_resolves_on_every_debug_preset():
     # ``--quantize.recipe R`` on any debug preset (its own rules kept) is a plan the run can build.
     import dataclasses
