@@ -94,7 +94,8 @@ def test_doctor_equals_launcher_and_resolves_once(tmp_path, monkeypatch, path):
     if path == "phase-at-step-0":  # the launcher trains the phase's plan from step 1: doctor shows it too
         path = write_toml(tmp_path / "phase.toml", quantize=PHASE_AT_0)
     before = targets.RESOLUTIONS[0]
-    status, config = resolve_run(str(path), ["--dump_folder", str(tmp_path / "out")])
+    ngpu = "2" if any(k in path.stem for k in ("tp2", "pp2", "fsdp")) else "1"  # the ranks the preset is for
+    status, config = resolve_run(str(path), ["--dump_folder", str(tmp_path / "out")], {"NGPU": ngpu})
     assert status.status == "OK", status.detail
     doctor = layer_backends(config, detect_hardware())
     targets.save_plan(config, tmp_path / "run")
