@@ -43,7 +43,6 @@ def real_sweep(tmp_path_factory):
     return code, out / "ranks"
 
 
-@pytest.mark.slow
 def test_real_sweep_writes_table_csv_and_plot(real_sweep):
     code, folder = real_sweep
     logs = {
@@ -76,7 +75,6 @@ def test_real_sweep_writes_table_csv_and_plot(real_sweep):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-@pytest.mark.slow
 def test_scaling_table_from_the_same_runs(real_sweep, capsys):
     _, folder = real_sweep
     code = scaling.main(
