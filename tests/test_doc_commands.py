@@ -254,7 +254,8 @@ def clean_copy(tmp_path_factory):
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "clean copy"]):
         subprocess.run([*git, *cmd], cwd=root, check=True, capture_output=True)
-    (root / ".venv").symlink_to(REPO / ".venv")
+    (root / ".venv").symlink_to(REPO / ".venv")  # .gitignore's ".venv/" matches a folder, not a link:
+    (root / ".git" / "info" / "exclude").write_text("/.venv\n")  # ignored as a user's .venv folder is
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "CONFIG_FILE", "NGPU", "LOG_RANK")}
     env.update(PATH=f"{root / '.venv' / 'bin'}:{env['PATH']}", PYTHONPATH=str(root))  # the copy's package
     assert not _status(root)
@@ -330,7 +331,8 @@ def test_sweep_submit_and_scaling(clean_copy, tmp_path):
     root, _ = clean_copy
     dry = run(clean_copy, "DRY_RUN=1 ./submit.sh", tmp_path)
     assert dry.returncode == 0 and dry.stdout.startswith("sbatch --job-name=debug_model-"), dry.stderr
-    assert "--gpus-per-node=1 " in dry.stdout and not (root / "outputs").exists()  # checked, nothing written
+    name = dry.stdout.split()[1].removeprefix("--job-name=")
+    assert "--gpus-per-node=1 " in dry.stdout and not (root / "outputs" / name).exists()  # nothing written
     ablation = run(clean_copy, ".venv/bin/python benchmarks/nvfp4_ablation.py --out /tmp/ablation/runs --collect",
                    tmp_path)  # fmt: skip
     assert ablation.returncode == 1 and "no run under" in ablation.stderr
