@@ -108,6 +108,10 @@ RUN: dict[str, str] = {
     "--training.local_batch_size 2 --training.seq_len 128 --checkpoint.no-enable": "lbt-scaling --config-file "
     "train_configs/debug_model.toml --nproc 1,2 -- --training.steps 6 --training.local_batch_size 2 "
     "--training.seq_len 128 --checkpoint.no-enable",
+    # experiments.md / precision_plan.md: the Llama 3.1 tokenizer is not in a fresh clone (a WARN, the plan shown)
+    "lbt-doctor --config-file train_configs/llama3_8b_mxfp8.toml --recipe fp8_rowwise --hardware sm100": (
+        "lbt-doctor --config-file train_configs/llama3_8b_mxfp8.toml --recipe fp8_rowwise --hardware sm100"
+    ),
     # nvfp4_ablation.md: collecting where nothing ran (a fresh clone) says so and writes nothing
     ".venv/bin/python benchmarks/nvfp4_ablation.py --out /tmp/ablation/runs --collect": (
         ".venv/bin/python benchmarks/nvfp4_ablation.py --out {tmp}/ablation/runs --collect"
@@ -170,9 +174,6 @@ NEEDS: dict[str, str] = {
     "CONFIG_FILE=train_configs/llama3_8b.toml NGPU=8 ./run_llama_train.sh": "gpu: 8 GPUs; network: tokenizer, c4",
     "git clone <this repo> && cd low-bits-training": "network",
     "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'": "network: pip (ensure_venv.sh does it too)",
-    "lbt-doctor --config-file train_configs/llama3_8b_mxfp8.toml --recipe fp8_rowwise --hardware sm100": (
-        "network: the Llama 3.1 tokenizer (doctor ends in exit 1 without it until it says WARN; issue 30)"
-    ),
     "CONFIG_FILE=train_configs/llama3_8b.toml NNODES=4 NGPU=8 RUN_NAME=fp8-8b ./submit.sh --training.steps 10000": (
         "slurm and gpu (submit.sh against fake sbatch / srun: tests/test_submit.py)"
     ),
@@ -345,3 +346,31 @@ def test_sweep_submit_and_scaling(clean_copy, tmp_path):
     assert scaling.returncode == 0, scaling.stdout[-3000:] + scaling.stderr[-3000:]
     rows = [ln.split("|") for ln in scaling.stdout.splitlines() if re.match(r"\| [12] \|", ln)]
     assert [r[6].strip() for r in rows] == ["6/6", "6/6"]  # the final loss is the last step's
+
+
+@pytest.mark.slow
+def test_doctor_on_the_8b_preset_warns_of_the_tokenizer_and_shows_the_plan(clean_copy, tmp_path):
+    cmd = next(c for c in RUN if c.startswith("lbt-doctor --config-file train_configs/llama3_8b_mxfp8.toml"))
+    p = run(clean_copy, cmd, tmp_path)
+    rows = {c[0]: c[1:] for c in (ln.split("|")[1:4] for ln in p.stdout.splitlines()) if len(c) == 3}
+    rows = {k.strip(): [v.strip() for v in vs] for k, vs in rows.items()}
+    assert rows["config"][0] == "WARN", p.stdout[-3000:] + p.stderr[-3000:]
+    assert rows["config"][1].startswith("hf_assets_path = './assets/hf/Llama-3.1-8B': none of tokenizer.json")
+    assert "training stops here (the launcher exits 2)" in rows["config"][1]
+    assert rows["backends"] == [
+        "OK",
+        "on CUDA SM100: 1 x Linear [high]; 160 x torchao MXFP8Linear (mxfp8 rceil) [torchao]",
+    ]
+    assert rows["recipe fp8_rowwise"] == [
+        "OK",
+        "on CUDA SM100: 1 x Linear [high]; 160 x torchao Float8Linear (rowwise) [torchao]",
+    ]
+    # the exit code depends on this machine's disk (the disk row); the launcher refuses the run itself:
+    launcher = (".venv/bin/python -m low_bits_training.titan.launcher --check-only -- "
+                "--config-file train_configs/llama3_8b_mxfp8.toml")  # fmt: skip
+    root, env = clean_copy
+    refused = subprocess.run(["bash", "-c", launcher], cwd=root, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "low-bits-training: config error: " + rows["config"][1].split(": training stops here")[0]
+    ], refused.stderr[-3000:]
+    assert not _status(root)

@@ -35,18 +35,33 @@ def cpu_adapters_once() -> None:
         cpu.install_device_module()
 
 
+TOKENIZER_FREE = [
+    *("--dataloader.dataset", "lbt_markov", "--dataloader.dataset_path", "./assets/lbt_markov"),
+    *("--hf_assets_path", "./assets/lbt_markov"),
+]
+"""Overrides that resolve a preset whose tokenizer is not on this machine (8B / 70B presets without their
+Hugging Face files): the built-in corpus as data, its tokenizer in place of the missing one. The model, its
+vocabulary and its plan are the preset's (shapes need no tokenizer)."""
+
+
 def resolve_run(
-    config_file: str | None, args: list[str], env: dict[str, str] | None = None
+    config_file: str | None, args: list[str], env: dict[str, str] | None = None, stand_in: bool = False
 ) -> tuple[Check, Any]:
     """Resolve and check the run with the launcher's own check (``titan.launcher.check``: TOML, overrides,
     torchtitan's checks, the precision plan, datasets and tokenizer, value ranges, parallel degrees against
     ``NGPU`` processes, the checkpoint it would resume from); a refusal is a FAIL.
+
+    Args:
+        stand_in: where the launcher's only refusal is a missing tokenizer, resolve the run again with
+            ``TOKENIZER_FREE`` and return that config with a WARN that says training would stop there
+            (lbt-doctor and lbt-speed: the plan needs no tokenizer). Without it that refusal is a FAIL.
 
     Returns:
         The check and the built config (None when it did not resolve).
     """
     from low_bits_training.config.tree import ConfigError
     from low_bits_training.titan.checkpoint import CheckpointError
+    from low_bits_training.titan.datasets import TokenizerMissing
     from low_bits_training.titan.launcher import check
 
     processes = _processes(env if env is not None else dict(os.environ))
@@ -54,6 +69,10 @@ def resolve_run(
         config, resume = check(
             (["--config-file", config_file] if config_file else []) + list(args), processes
         )
+    except TokenizerMissing as e:
+        if stand_in:
+            return _stood_in(config_file, args, env, e)
+        return Check("config", "FAIL", str(e), "fix the key named above"), None
     except ConfigError as e:
         return Check("config", "FAIL", str(e), "fix the key named above"), None
     except CheckpointError as e:
@@ -66,6 +85,22 @@ def resolve_run(
         f"process(es), {start}"
     )
     return Check("config", "OK", where), config
+
+
+def _stood_in(
+    config_file: str | None, args: list[str], env: dict[str, str] | None, missing: Exception
+) -> tuple[Check, Any]:
+    """``resolve_run`` with the built-in corpus in place of the missing tokenizer: a WARN naming the
+    launcher's refusal (or the stand-in's own FAIL)."""
+    status, config = resolve_run(config_file, [*args, *TOKENIZER_FREE], env)
+    if config is None:
+        return status, None
+    detail = (
+        f"{missing}: training stops here (the launcher exits 2); the rows below are this run with the "
+        f"built-in corpus as data ({status.detail})"
+    )
+    fix = "put the model's HF tokenizer folder at hf_assets_path (--hf_assets_path DIR), or train on "
+    return Check("config", "WARN", detail, fix + "--dataloader.dataset lbt_markov"), config
 
 
 def _processes(env: dict[str, str]) -> int:
@@ -248,10 +283,12 @@ def config_checks(
         The checks and whether the config asks for W&B.
     """
     cpu_adapters_once()
-    status, config = resolve_run(config_file, args, env)
+    status, config = resolve_run(config_file, args, env, stand_in=True)
     if config is None:
         return [status], False
     checks = [status, check_backends(config, hw), check_compile(config, hw)]
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
-    checks += [check_tokenizer(config), check_dataset(config, env), check_checkpoint_disk(config)]
+    if status.status == "OK":  # else the config row says the tokenizer is missing; data is the stand-in's
+        checks += [check_tokenizer(config), check_dataset(config, env)]
+    checks.append(check_checkpoint_disk(config))
     return checks, bool(config.metrics.enable_wandb)

@@ -19,19 +19,18 @@ from low_bits_training.cli.runner import REPO
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.speed import GPUS, GemmTarget, GpuSpec, Prediction, gpu, predict
 
-TOKENIZER_FREE = ["--dataloader.dataset", "lbt_markov", "--dataloader.dataset_path", "./assets/lbt_markov"]
-"""Overrides that let a preset whose tokenizer is not on this machine load (shapes need no tokenizer)."""
 AC_RECOMPUTE = {"SelectiveAC": 0.5, "FullAC": 1.0, "MemoryBudgetAC": 0.5}
 """Activation checkpointing config class -> extra forward passes of the linears (torchtitan's per-op
 selective AC recomputes every second matmul)."""
 
 
 def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
-    """The run's config as ``lbt-doctor`` builds it; where the preset's tokenizer is missing (8B / 70B
-    presets without their Hugging Face files), loaded again with the built-in corpus's data settings.
+    """The run's config as ``lbt-doctor`` builds it (``cli.config_checks.resolve_run`` with ``stand_in``:
+    where the preset's tokenizer is missing, as for 8B / 70B presets without their Hugging Face files, the
+    built-in corpus stands in for the data).
 
     Returns:
-        The config and a note ("" unless the tokenizer fallback was used).
+        The config and a note ("" unless the tokenizer stand-in was used).
 
     Raises:
         ConfigError: the config does not resolve.
@@ -39,14 +38,13 @@ def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
     from low_bits_training.cli.config_checks import cpu_adapters_once, resolve_run
 
     cpu_adapters_once()
-    check, config = resolve_run(config_file, args)
-    note = ""
-    if config is None and check.detail.startswith("hf_assets_path"):
-        check, config = resolve_run(config_file, [*args, *TOKENIZER_FREE])
-        note = "note: tokenizer absent here; shapes read with the built-in corpus as dataset (the model is "
-        note += "the base's, vocabulary included)"
+    check, config = resolve_run(config_file, args, stand_in=True)
     if config is None:
         raise ConfigError(check.detail)
+    note = ""
+    if check.status == "WARN":
+        note = "note: tokenizer absent here; shapes read with the built-in corpus as dataset (the model is "
+        note += "the base's, vocabulary included)"
     return config, note
 
 

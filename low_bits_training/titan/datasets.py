@@ -26,6 +26,12 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 _LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
+class TokenizerMissing(ConfigError):
+    """``hf_assets_path`` holds none of ``TOKENIZER_FILES``: the launcher refuses it like any config error
+    (exit 2); ``lbt-doctor`` and ``lbt-speed`` tell it apart to still show the plan (``cli/config_checks.py``
+    ``resolve_run``)."""
+
+
 def tokenizer_file(folder: str | os.PathLike) -> Path | None:
     """The first of ``TOKENIZER_FILES`` in ``folder`` (an ``hf_assets_path``), or None."""
     return next((Path(folder) / f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()), None)
@@ -129,7 +135,7 @@ def prepare_assets(config) -> None:
                 )
             local_files(dl.dataset_path)
     if tokenizer_file(config.hf_assets_path) is None:
-        raise ConfigError(
+        raise TokenizerMissing(
             f"hf_assets_path = {config.hf_assets_path!r}: none of {', '.join(TOKENIZER_FILES)} there "
             "(use a local HF tokenizer folder, or dataset 'lbt_markov' for the built-in one)"
         )

@@ -165,6 +165,41 @@ def test_no_arguments_check_the_run_the_launcher_starts_by_default(clean_env, mo
     assert doctor.main([]) == 0 and "0 FAIL" in capsys.readouterr().out
 
 
+def test_a_missing_tokenizer_is_a_warn_the_plan_still_shows_and_the_launcher_refuses(clean_env, capsys):
+    # issue 30: the 8B presets name a Llama tokenizer a fresh clone lacks; doctor says so and still shows the
+    # backend and recipe rows (the rest resolved with the built-in corpus); the launcher refuses with exit 2.
+    from low_bits_training.config.exits import ExitCode
+    from low_bits_training.titan import launcher
+
+    empty = clean_env / "no_tokenizer"
+    empty.mkdir()
+    args = ["--hf_assets_path", str(empty), "--quantize.recipe", "mxfp8"]
+    rows = by_name(doctor.run_checks(str(DEBUG), args, {}, ["fp8_rowwise"], doctor.hardware("sm100")))
+    refusal = f"hf_assets_path = '{empty}': none of tokenizer.json, vocab.json, vocab.txt there"
+    config = rows["config"]
+    assert config.status == "WARN" and config.detail.startswith(refusal)
+    assert "training stops here (the launcher exits 2)" in config.detail
+    assert "--hf_assets_path DIR" in config.fix and "--dataloader.dataset lbt_markov" in config.fix
+    assert rows["backends"].detail == (
+        "on CUDA SM100: 1 x Linear [high]; 30 x torchao MXFP8Linear (mxfp8 rceil) [torchao]"
+    )
+    assert rows["recipe fp8_rowwise"].detail == (
+        "on CUDA SM100: 1 x Linear [high]; 30 x torchao Float8Linear (rowwise) [torchao]"
+    )
+    assert "tokenizer" not in rows and "dataset" not in rows  # the stand-in's would say nothing of the run's
+    assert doctor.exit_code(list(rows.values())) == ExitCode.OK
+    code = launcher.main(["--check-only", "--", "--config-file", str(DEBUG), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        code == ExitCode.CONFIG
+        and len(err) == 1
+        and err[0].startswith(f"low-bits-training: config error: {refusal}")
+    )
+    # without the stand-in (what every other caller asks) the same refusal is a FAIL
+    status, built = config_checks.resolve_run(str(DEBUG), args)
+    assert (status.status, built) == ("FAIL", None) and status.detail.startswith(refusal)
+
+
 @pytest.mark.parametrize(
     ("hardware", "args", "status", "detail"),
     [
