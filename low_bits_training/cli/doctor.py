@@ -3,7 +3,8 @@
 Checks the environment before a long job: versions, GPUs, NCCL, W&B, then the run itself as the launcher would
 start it: its config, which backend runs each linear layer here (or on ``--hardware``), torch.compile, data,
 tokenizer, disk for checkpoints. Prints one table row per check (OK / WARN / FAIL with a one-line fix) and exits
-1 when anything FAILs. Without ``--config-file`` it checks the run ``./run_llama_train.sh`` starts by default.
+with ``ExitCode.CONFIG`` (2) when anything FAILs (the job would be refused or break before it trains), else 0.
+Without ``--config-file`` it checks the run ``./run_llama_train.sh`` starts by default.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from low_bits_training.cli.checks import (
 )
 from low_bits_training.cli.runner import repo_root
 from low_bits_training.config.backends import Hardware, detect_hardware
+from low_bits_training.config.exits import ExitCode
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
 """``run_llama_train.sh``'s ``CONFIG_FILE`` default (a test holds the two equal)."""
@@ -91,12 +93,13 @@ def render(checks: list[Check]) -> str:
     )
 
 
-def exit_code(checks: list[Check]) -> int:
-    """1 when any check FAILs, else 0 (WARNs do not stop a job)."""
-    return 1 if any(c.status == "FAIL" for c in checks) else 0
+def exit_code(checks: list[Check]) -> ExitCode:
+    """``ExitCode.CONFIG`` when any check FAILs (as the launcher refuses a job before any rank starts; 1 stays
+    a crash of doctor itself), else ``ExitCode.OK`` (WARNs do not stop a job)."""
+    return ExitCode.CONFIG if any(c.status == "FAIL" for c in checks) else ExitCode.OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> ExitCode:
     from low_bits_training.titan import noise
 
     noise.install()  # upstream lines no user can act on: torchtitan warns once per config checked here

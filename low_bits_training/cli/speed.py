@@ -16,6 +16,7 @@ import dataclasses
 import sys
 
 from low_bits_training.cli.runner import REPO
+from low_bits_training.config.exits import ExitCode
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.speed import GPUS, GemmTarget, GpuSpec, Prediction, gpu, predict
 
@@ -150,7 +151,7 @@ def predict_run(config, spec: GpuSpec, recipe: str | None, dp: int) -> tuple[Pre
     return predict(run_targets(config, plans, shapes, dp), spec), plans
 
 
-def report_run(ns, rest: list[str]) -> int:
+def report_run(ns, rest: list[str]) -> ExitCode:
     from low_bits_training.speed.report import layer_table, summary
 
     config, note = load_config(ns.config_file, rest)
@@ -167,7 +168,7 @@ def report_run(ns, rest: list[str]) -> int:
               "(slower than the kernels predicted here)")  # fmt: skip
         if ns.layers:
             print("\n" + layer_table(pred))
-    return 0
+    return ExitCode.OK
 
 
 def _preset_targets(config, recipe: str | None, dp: int, cache: dict) -> list[GemmTarget]:
@@ -249,7 +250,7 @@ def check_args(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--dp = {ns.dp}: expected an int >= 1")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> ExitCode:
     ns, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_args(ns)
@@ -258,14 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             from low_bits_training.speed.report import published_table
 
             print(published_table(comparison()))
-            return 0
+            return ExitCode.OK
         if ns.presets:
             print(preset_tables(ns.gpu, ns.dp))
-            return 0
+            return ExitCode.OK
         return report_run(ns, rest)
     except ConfigError as e:
         print(f"lbt-speed: config error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
 
 
 if __name__ == "__main__":

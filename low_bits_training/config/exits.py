@@ -23,7 +23,8 @@ class ExitCode(enum.IntEnum):
     CRASH = 1
     """A crash (the failing rank's traceback); for ``lbt-sweep`` / ``lbt-scaling``: a run of the grid failed."""
     CONFIG = 2
-    """Bad input: a key, value, flag, file or parallel layout, refused before any rank starts."""
+    """Bad input: a key, value, flag, file or parallel layout, refused before any rank starts; for
+    ``lbt-doctor``: a check FAILed (the job would be refused or break before it trains)."""
     NONFINITE = 3
     """``[numerics] nonfinite = "stop"`` stopped the run."""
     CHECKPOINT = 4

@@ -12,6 +12,7 @@ import torch
 from helpers import write_toml
 from low_bits_training.cli import checks, config_checks, doctor
 from low_bits_training.cli.checks import Check
+from low_bits_training.config.exits import ExitCode
 
 SECRET = "doctor-secret-0123456789"
 REPO = Path(__file__).resolve().parents[2]
@@ -144,10 +145,28 @@ def test_doctor_fails_on_missing_data_and_bad_key(clean_env, monkeypatch, capsys
         ]
     )
     out = capsys.readouterr().out
-    # The launcher's own validation refuses it (one line, as run_llama_train.sh would print it).
-    assert code == 1 and "| config " in out and "dataloader.dataset_path = " in out and SECRET not in out
+    # The launcher's own validation refuses it (one line, as run_llama_train.sh would print it); a FAIL exits
+    # with the launcher's code for a refused job (config/exits.py), not 1 (a crash).
+    assert code == ExitCode.CONFIG == 2 and "| config " in out and "dataloader.dataset_path = " in out
+    assert SECRET not in out
     rows = by_name(doctor.run_checks(str(clean_env / "nope.toml"), [], {}))
-    assert rows["config"].status == "FAIL" and doctor.exit_code(list(rows.values())) == 1
+    assert rows["config"].status == "FAIL" and doctor.exit_code(list(rows.values())) == ExitCode.CONFIG
+    assert doctor.exit_code([Check("a", "OK", ""), Check("b", "WARN", "")]) == ExitCode.OK
+
+
+def test_the_console_script_exits_2_on_a_fail(clean_env):
+    # What a shell sees (`lbt-doctor ... || exit`): the process's status, through the [project.scripts] entry.
+    import subprocess
+    import sys
+
+    script = "import sys; from low_bits_training.cli.doctor import main; sys.exit(main())"
+    p = subprocess.run(
+        [sys.executable, "-c", script, "--config-file", str(clean_env / "nope.toml")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert p.returncode == 2 and "| config " in p.stdout and "\n1 FAIL, " in p.stdout, p.stderr[-2000:]
 
 
 def test_no_arguments_check_the_run_the_launcher_starts_by_default(clean_env, monkeypatch, capsys):
@@ -168,7 +187,6 @@ def test_no_arguments_check_the_run_the_launcher_starts_by_default(clean_env, mo
 def test_a_missing_tokenizer_is_a_warn_the_plan_still_shows_and_the_launcher_refuses(clean_env, capsys):
     # issue 30: the 8B presets name a Llama tokenizer a fresh clone lacks; doctor says so and still shows the
     # backend and recipe rows (the rest resolved with the built-in corpus); the launcher refuses with exit 2.
-    from low_bits_training.config.exits import ExitCode
     from low_bits_training.titan import launcher
 
     empty = clean_env / "no_tokenizer"
