@@ -160,6 +160,17 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
     return Check(name, "OK", detail)
 
 
+def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
+    """One WARN row per reason a group of the run's layers does not run torchao's kernel on ``hw``
+    (``config.plan_table.fallbacks``: the lines under the plan table, from ``backends.fallback_reason``)."""
+    from low_bits_training.config.plan_table import fallbacks
+    from low_bits_training.titan import targets
+
+    run = targets.run_of(config, hw)
+    rows = fallbacks(run.plans, run.shapes, hw, config.quantize.backend, config.quantize.torchao)
+    return [Check("fallback", "WARN", f"{', '.join(labels)}: {why}") for why, labels in rows]
+
+
 def check_compile(config: Any, hw: Hardware) -> Check:
     """torch.compile against the backends: torchao's kernels want it; torchao's emulated mode on a GPU with
     compile is what torchtitan refuses (it runs on a CPU with torch 2.14.1, tested; untested on GPUs)."""
@@ -286,7 +297,7 @@ def config_checks(
     status, config = resolve_run(config_file, args, env, stand_in=True)
     if config is None:
         return [status], False
-    checks = [status, check_backends(config, hw), check_compile(config, hw)]
+    checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), check_compile(config, hw)]
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     if status.status == "OK":  # else the config row says the tokenizer is missing; data is the stand-in's
         checks += [check_tokenizer(config), check_dataset(config, env)]

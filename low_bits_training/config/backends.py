@@ -24,6 +24,7 @@ from typing import Literal, get_args
 
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
+from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
 
 BackendSetting = Literal["emulate", "torchao", "auto"]
@@ -245,6 +246,8 @@ def fallback_reason(plan: LinearPlan, shape, hw: Hardware, setting: str, opts: T
     """
     if setting == "emulate" or all(s is None for s in plan.specs):
         return None
+    if getattr(shape, "product", ""):
+        return "emulated: torchao has no module for attention products (Q K^T, P V)"
     grouped = getattr(shape, "grouped", False)
     recipe = torchao_grouped_recipe(plan) if grouped else torchao_recipe(plan)
     if recipe is None:
@@ -285,6 +288,38 @@ def check_backend_setting(backend: BackendSetting, hw: Hardware) -> None:
     """
     if backend == "torchao" and not hw.torchao:
         raise ConfigError("quantize.backend = 'torchao': torchao is not installed; use 'emulate' or 'auto'")
+
+
+def check_torchao_runs(
+    setting: str, plans: dict[str, LinearPlan], shapes: dict, hw: Hardware, where: str = "quantize"
+) -> None:
+    """``backend = "torchao"`` asks torchao to run the plan: refuse a plan of which torchao runs no quantized
+    layer (kernel or emulated mode). Layers torchao cannot take in a plan it partly runs stay ours, each with
+    its ``fallback_reason`` in the plan table and lbt-doctor.
+
+    Args:
+        setting: ``[quantize] backend``.
+        plans: FQN -> resolved plan (its backends set).
+        shapes: FQN -> ``config.plan.LayerShape``.
+        hw: the hardware.
+        where: the plan's TOML section (a phase: ``quantize.phases[0]``).
+
+    Raises:
+        ConfigError: one line naming the key, the value, the first layer's reason and what is allowed.
+    """
+    quantized = [f for f, p in plans.items() if not p.is_high_precision]
+    if setting != "torchao" or not quantized:
+        return
+    if any(plans[f].backends[0] in TORCHAO_BACKENDS for f in quantized):
+        return
+    first = quantized[0]
+    why = fallback_reason(plans[first], shapes[first], hw, setting)
+    ours = ", ".join(r for r in RECIPES if torchao_recipe(LinearPlan.from_recipe(r)) is not None)
+    phase = "" if where == "quantize" else f" ({where})"
+    raise ConfigError(
+        f"quantize.backend = 'torchao'{phase}: torchao runs none of this plan's quantized layers ({first}: "
+        f"{why}); use backend 'auto' or 'emulate', or a plan torchao computes (recipes {ours})"
+    )
 
 
 def check_torchao_options(opts: TorchaoOptions, plans: dict[str, LinearPlan]) -> None:

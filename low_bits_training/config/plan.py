@@ -38,6 +38,7 @@ from .backends import (
     TorchaoOptions,
     check_backend_setting,
     check_torchao_options,
+    check_torchao_runs,
     layer_backends,
 )
 from .operand_options import check_layer_options, grouped_specs
@@ -423,6 +424,7 @@ def resolve_plan(
         plans[fqn] = LinearPlan(specs, backends)
         _check_shapes(plans[fqn], fqn, shape, where)
     check_torchao_options(cfg.torchao, plans)
+    check_torchao_runs(cfg.backend, plans, layers, hw, where)
     return plans
 
 

@@ -2,7 +2,8 @@
 
 Layers whose names differ only in the transformer block index and whose plans (and modules) are identical
 collapse to one row group: ``layers.[0-5].attention.wqkv``. The backend column is ``config.backends.gemm_backend``:
-the same answer lbt-doctor and the benchmarks give.
+the same answer lbt-doctor and the benchmarks give. Under the table, one line per reason a group of layers does
+not run torchao's kernel (``config.backends.fallback_reason``, the answer lbt-doctor's fallback rows give).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import defaultdict
 
 from low_bits_training.nn import GEMMS, ROLES, LinearPlan
 
-from .backends import gemm_backend
+from .backends import Hardware, TorchaoOptions, fallback_reason, gemm_backend
 
 _BLOCK = re.compile(r"^layers\.(\d+)\.")
 
@@ -89,3 +90,40 @@ def plan_to_json(plans: dict[str, LinearPlan], modules: dict[str, str] | None = 
         }
         for fqn, p in plans.items()
     }
+
+
+def fallbacks(
+    plans: dict[str, LinearPlan],
+    shapes: dict,
+    hw: Hardware,
+    setting: str,
+    opts: TorchaoOptions | None = None,
+) -> list[tuple[str, list[str]]]:
+    """Why layers do not run torchao's kernel on ``hw``: ``(fallback_reason, layer groups)`` per distinct
+    reason, in model order; layers a base's torchtitan converter swapped are not the plan's and are left out.
+
+    Args:
+        plans: FQN -> resolved plan.
+        shapes: FQN -> ``config.plan.LayerShape`` of the plan's entries.
+        hw: the hardware judged on.
+        setting: ``[quantize] backend``.
+        opts: ``[quantize.torchao]``.
+    """
+    reasons = {}
+    for fqn, plan in plans.items():
+        if fqn in shapes and not all(b == "torchtitan" for b in plan.backends):
+            why = fallback_reason(plan, shapes[fqn], hw, setting, opts)
+            if why is not None:
+                reasons[fqn] = why
+    grouped: dict[str, list[str]] = {}
+    for label, (_, why) in collapse(dict.fromkeys(reasons, LinearPlan()), reasons):
+        grouped.setdefault(why, []).append(label)
+    return list(grouped.items())
+
+
+def format_fallbacks(rows: list[tuple[str, list[str]]], hw: Hardware, setting: str) -> str:
+    """``fallbacks`` as the lines under the plan table ("" when every layer runs what it asked for)."""
+    if not rows:
+        return ""
+    head = f"not on torchao's kernel (on {hw}, backend = {setting!r}):\n"
+    return head + "".join(f"  {', '.join(labels)}: {why}\n" for why, labels in rows)

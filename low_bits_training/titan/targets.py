@@ -21,7 +21,7 @@ from pathlib import Path
 from low_bits_training.config.backends import Hardware, detect_hardware
 from low_bits_training.config.comm import wire_spec
 from low_bits_training.config.plan import LayerShape
-from low_bits_training.config.plan_table import format_plan, plan_to_json
+from low_bits_training.config.plan_table import fallbacks, format_fallbacks, format_plan, plan_to_json
 from low_bits_training.config.schedule import Schedule, check_switchable, resolve_schedule
 from low_bits_training.config.whatif import resolve_whatif
 from low_bits_training.formats import QuantSpec
@@ -157,18 +157,29 @@ def current_plans(config) -> tuple[dict[str, LinearPlan], dict[str, str]]:
     return plans, labels
 
 
-def plan_text(run: ResolvedRun, plans: dict[str, LinearPlan], labels: dict[str, str]) -> tuple[str, list]:
-    """The plan table (one per phase and the eval plan, each under its title, with a schedule) and the
-    schedule's JSON (empty without one)."""
+def plan_text(
+    run: ResolvedRun, plans: dict[str, LinearPlan], labels: dict[str, str], quantize
+) -> tuple[str, list]:
+    """The plan table (one per phase and the eval plan, each under its title, with a schedule), each followed
+    by why layers do not run torchao's kernel on the run's hardware (``config.plan_table.fallbacks``), and
+    the schedule's JSON (empty without one).
+
+    Args:
+        quantize: the run's ``[quantize]`` section (its ``backend`` and ``torchao`` options).
+    """
     from low_bits_training.titan.schedule import phase_title
+
+    def table(p: dict[str, LinearPlan]) -> str:
+        why = fallbacks(p, run.shapes, run.hardware, quantize.backend, quantize.torchao)
+        return format_plan(p, labels) + format_fallbacks(why, run.hardware, quantize.backend)
 
     sched = run.schedule
     if len(sched.all()) == 1:
-        return format_plan(plans, labels), []
+        return table(plans), []
     parts, data = [], []
     for phase in sched.all():
         merged = {**plans, **phase.plans}  # keeps the linears a base's torchtitan converter swapped
-        parts.append(f"\n== {phase_title(sched, phase)}\n{format_plan(merged, labels)}")
+        parts.append(f"\n== {phase_title(sched, phase)}\n{table(merged)}")
         last = sched.last_step(phase) if phase.first_step else 0
         rows = plan_to_json(merged, labels)
         data.append({"label": phase.label, "first_step": phase.first_step, "last_step": last, "plans": rows})
@@ -191,7 +202,7 @@ def save_plan(config, folder: str | os.PathLike) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     head = f"recipe={config.quantize.recipe} backend={config.quantize.backend} device={run.hardware}\n"
-    table, schedule = plan_text(run, plans, labels)
+    table, schedule = plan_text(run, plans, labels, config.quantize)
     write_atomic(folder / PLAN_TEXT, head + table)
     write_atomic(folder / PLAN_JSON, json.dumps(plan_to_json(plans, labels), indent=1) + "\n")
     if schedule:

@@ -340,3 +340,31 @@ def test_doctor_runs_the_launchers_whole_check(clean_env):
     assert status.detail == str(launcher.value)
     status, _ = resolve_run("train_configs/debug_model.toml", args, {"NGPU": "2"})
     assert status.status == "OK" and "2 process(es), a fresh start" in status.detail
+
+
+def test_every_layer_that_falls_back_says_why_in_doctor_and_the_plan_table(clean_env, monkeypatch):
+    # issue 29: config.backends.fallback_reason, one row (one line under the plan table) per group of layers.
+    from low_bits_training.titan.targets import save_plan
+
+    monkeypatch.chdir(REPO)
+    mixed = "train_configs/recipes/debug_torchao_mixed.toml"  # layer 0 stochastic, layer 1 MXFP8, rest fp8
+    names = lambda i: ", ".join(  # noqa: E731
+        f"layers.[{i}].{n}"
+        for n in ("attention.qkv_linear.wqkv", "attention.wo", *(f"feed_forward.w{j}" for j in (1, 2, 3)))
+    )
+    sr = "emulated: torchao has no training module for stochastic rounding"
+    checks = doctor.run_checks(
+        mixed, ["--dump_folder", str(clean_env / "out")], {}, hw=doctor.hardware("sm90")
+    )
+    assert [(c.status, c.detail) for c in checks if c.name == "fallback"] == [
+        ("WARN", f"{names(0)}: {sr}"),
+        ("WARN", f"{names(1)}: torchao emulated: MXFP8Linear kernels need CUDA SM100+, this is CUDA SM90"),
+    ]
+    _, config = config_checks.resolve_run(mixed, ["--dump_folder", str(clean_env / "out")])
+    text = save_plan(config, clean_env / "run").read_text()  # this machine: a CPU
+    assert text.endswith(
+        "not on torchao's kernel (on CPU, backend = 'torchao'):\n"
+        f"  {names(0)}: {sr}\n"
+        f"  {names(1)}: torchao emulated: MXFP8Linear kernels need CUDA SM100+, this is CPU\n"
+        f"  {names('2-5')}: torchao emulated: Float8Linear kernels need CUDA SM89+, this is CPU\n"
+    )

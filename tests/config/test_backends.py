@@ -89,7 +89,6 @@ def test_variants_torchao_has_and_has_not():
         ("auto", H100, "fp8_rowwise_hp_wgrad", ("torchao",) * 3),
         ("torchao", CPU, "fp8_tensorwise", ("torchao_emulated",) * 3),
         ("torchao", H100, "mxfp8", ("torchao_emulated",) * 3),
-        ("torchao", CPU, "int8", ("emulate",) * 3),
         ("emulate", B200, "mxfp8", ("emulate",) * 3),
         ("emulate", CPU, "fp8_rowwise_hp_wgrad", ("emulate", "emulate", "high")),
         ("auto", H100, "bf16", ("high",) * 3),

@@ -95,3 +95,62 @@ def test_an_mxfp8_module_casts_with_a_kernel_that_exists(monkeypatch):
         assert cfg.dim1_cast_kernel == "cuda" and cfg.build().kernels.dim1_cast_kernel == "triton"
     finally:
         torchao_backend.available_dim1_kernel.cache_clear()
+
+
+def test_the_plan_table_says_why_each_group_of_layers_falls_back():
+    # fallbacks() groups fallback_reason by reason, layer names collapsed as the plan table collapses them.
+    from low_bits_training.config.plan_table import fallbacks, format_fallbacks
+
+    rowwise, nvfp4 = LinearPlan.from_recipe("fp8_rowwise"), LinearPlan.from_recipe("nvfp4")
+    plans = {f"layers.{i}.w": rowwise for i in range(3)} | {"layers.1.v": nvfp4, "lm_head": LinearPlan()}
+    plans["layers.0.qk"] = rowwise
+    shapes = dict.fromkeys(plans, SHAPE) | {"layers.0.qk": LayerShape(64, 64, kind="qk")}
+    rows = fallbacks(plans, shapes, H100, "auto")
+    product = "emulated: torchao has no module for attention products (Q K^T, P V)"
+    assert rows == [(NVFP4, ["layers.[1].v"]), (product, ["layers.[0].qk"])]  # rowwise runs torchao on SM90
+    rows = fallbacks(plans, shapes, CPU, "auto")
+    assert rows[0] == (FLOAT8_SM89 + "CPU", ["layers.[0-2].w"])
+    assert format_fallbacks(rows, CPU, "auto").splitlines() == [
+        "not on torchao's kernel (on CPU, backend = 'auto'):",
+        f"  layers.[0-2].w: {FLOAT8_SM89}CPU",
+        f"  layers.[1].v: {NVFP4}",
+        f"  layers.[0].qk: {product}",
+    ]
+    assert fallbacks(plans, shapes, B200, "emulate") == [] and format_fallbacks([], B200, "emulate") == ""
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_backend_torchao_refuses_a_plan_torchao_runs_none_of(recipe):
+    # issue 29: backend = "torchao" on a plan torchao has no module for is one line naming key, value, reason
+    # and what is allowed; a plan torchao runs (in part: the other layers stay ours, with their reason) passes.
+    from low_bits_training.config.plan import QuantizeConfig, resolve_plan
+    from low_bits_training.config.tree import ConfigError
+
+    layers = dict.fromkeys(
+        ["layers.0.w", "layers.1.w", "lm_head"], LayerShape(256, 512, 256)
+    )  # lm_head: skipped
+    plan = LinearPlan.from_roles(RECIPES[recipe])
+    runs = recipe == "bf16" or fallback_reason(plan, SHAPE, CPU, "torchao").startswith("torchao emulated")
+    cfg = QuantizeConfig(recipe=recipe, backend="torchao")
+    if runs:
+        resolve_plan(cfg, layers, CPU)
+        return
+    with pytest.raises(ConfigError) as refused:
+        resolve_plan(cfg, layers, CPU)
+    assert str(refused.value) == (
+        f"quantize.backend = 'torchao': torchao runs none of this plan's quantized layers (layers.0.w: "
+        f"{fallback_reason(plan, SHAPE, CPU, 'torchao')}); use backend 'auto' or 'emulate', or a plan torchao "
+        "computes (recipes fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, mxfp8)"
+    )
+    resolve_plan(QuantizeConfig(recipe=recipe, backend="auto"), layers, CPU)  # the same plan, ours: fine
+
+
+def test_backend_torchao_keeps_a_plan_it_runs_in_part():
+    from low_bits_training.config.plan import QuantizeConfig, QuantRule, resolve_plan
+
+    layers = dict.fromkeys(
+        ["layers.0.w", "layers.1.w", "lm_head"], LayerShape(256, 512, 256)
+    )  # lm_head: skipped
+    rule = QuantRule(layers=["layers.0.*"], roles=["dgrad.grad_output"], rounding="stochastic")
+    plans = resolve_plan(QuantizeConfig(recipe="fp8_rowwise", backend="torchao", rules=[rule]), layers, CPU)
+    assert [plans[f].backends[0] for f in layers] == ["emulate", "torchao_emulated", "emulate"]
