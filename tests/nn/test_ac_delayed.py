@@ -1,7 +1,8 @@
 """Delayed scaling under activation checkpointing: each amax is recorded once per forward, and the recompute
 reads the history as the first pass did, so checkpointed training equals training without, bit for bit
 (torchtitan's own full and selective AC policies, eager and compiled; nn/delayed.py "When the forward
-records"). The launcher runs of every recipe with AC on: tests/titan/test_ac_train.py."""
+records"). Every recipe under both policies: the last test. Through the launcher (the 1B / 8B presets' selective
+AC, eager and compiled): tests/titan/test_ac_train.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from low_bits_training.config.recipes import RECIPES
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLE_NAMES, LinearPlan, QuantLinear
 
@@ -20,11 +22,14 @@ def _plan() -> LinearPlan:
     return LinearPlan.from_roles({r: grad if "grad_output" in r else spec for r in ROLE_NAMES})
 
 
+WIDTH = 32
+
+
 class _Block(nn.Module):
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, plan: LinearPlan | None = None, width: int = WIDTH):
         super().__init__()
-        self.a = QuantLinear(32, 32, bias=False, plan=_plan())
-        self.b = QuantLinear(32, 32, bias=False, plan=_plan())
+        self.a = QuantLinear(width, width, bias=False, plan=plan or _plan())
+        self.b = QuantLinear(width, width, bias=False, plan=plan or _plan())
         g = torch.Generator().manual_seed(seed)
         for lin in (self.a, self.b):
             nn.init.normal_(lin.weight, std=0.2, generator=g)
@@ -36,9 +41,9 @@ class _Block(nn.Module):
 class _Model(nn.Module):
     """torchtitan's shape: ``layers`` of blocks (what its AC policies wrap)."""
 
-    def __init__(self):
+    def __init__(self, plan: LinearPlan | None = None, width: int = WIDTH):
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): _Block(i) for i in range(2)})
+        self.layers = nn.ModuleDict({str(i): _Block(i, plan, width) for i in range(2)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.layers.values():
@@ -55,11 +60,11 @@ class _Reentrant(nn.Module):
         return checkpoint(self.block, x, use_reentrant=True)
 
 
-def _model(ac: str, compiled: bool = False) -> _Model:
+def _model(ac: str, compiled: bool = False, plan: LinearPlan | None = None, width: int = WIDTH) -> _Model:
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     torch.manual_seed(0)
-    model = _Model()
+    model = _Model(plan, width)
     if ac == "full":
         FullAC(FullAC.Config()).apply(model)
     elif ac == "selective":
@@ -78,14 +83,18 @@ def _histories(model: nn.Module) -> list[torch.Tensor]:
     return [b.clone() for n, b in model.named_buffers() if n.endswith("lbt_amax_history")]
 
 
-def _train(model: nn.Module, steps: int = 4, microbatches: int = 1) -> list[list[torch.Tensor]]:
+def _train(
+    model: nn.Module, steps: int = 4, microbatches: int = 1, width: int = WIDTH
+) -> list[list[torch.Tensor]]:
     """Per step: the outputs, every gradient and every amax history (after the step)."""
     out = []
     for s in range(steps):
         ys = []
         for m in range(microbatches):  # gradient accumulation: forward + backward per microbatch
             g = torch.Generator().manual_seed(100 * s + m)
-            x = (torch.randn(16, 32, generator=g) * (1 + s)).requires_grad_(True)
+            x = (torch.randn(16 if width == WIDTH else width, width, generator=g) * (1 + s)).requires_grad_(
+                True
+            )
             y = model(x)
             y.pow(2).sum().backward()
             ys += [y.detach(), x.grad]
@@ -130,3 +139,12 @@ def test_compiled_checkpointed_training_equals_training_without(ac, tmp_path, mo
     ref = _train(_model("none", compiled=True), steps=3)
     _assert_equal(_train(_model(ac, compiled=True), steps=3), ref)
     _assert_equal(_train(_model("none"), steps=3), ref)  # and compiled equals eager
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("recipe", sorted(r for r in RECIPES if r != "bf16"))
+def test_every_recipe_checkpointed_equals_training_without(recipe, ac):
+    """Each recipe's plan on both layers (128 wide: deepseek_fp8's 128-blocks fit), torchtitan's policy."""
+    plan = LinearPlan.from_recipe(recipe)
+    ref = _train(_model("none", plan=plan, width=128), steps=3, width=128)
+    _assert_equal(_train(_model(ac, plan=plan, width=128), steps=3, width=128), ref)
