@@ -33,7 +33,6 @@ def llama3_tiny() -> Trainer.Config:
     """The debug model cut to its first 2 layers: the fastest real Llama 3 for smoke tests on CPU."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-
     config = llama3_debugmodel()
     config.model_spec.model.layers = config.model_spec.model.layers[:2]
     return config

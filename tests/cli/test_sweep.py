@@ -69,7 +69,9 @@ def test_real_sweep_writes_table_csv_and_plot(real_sweep):
         final = float(r["final loss"].split(" ± ")[0])
         assert 7.0 < final < 8.3  # ~log(2048) falling after 3 steps
         assert float(r["tok/s/proc"]) > 0 and float(r["peak GiB"]) > 0
-    assert math.isclose(float(rows[1]["tok/s total"]), 2 * float(rows[1]["tok/s/proc"]), rel_tol=0.01, abs_tol=2)  # both columns are rounded to whole tok/s
+    assert math.isclose(
+        float(rows[1]["tok/s total"]), 2 * float(rows[1]["tok/s/proc"]), rel_tol=0.01, abs_tol=2
+    )  # both columns are rounded to whole tok/s
     assert "| final loss |" in (folder / "summary.md").read_text()
     png = (folder / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -16,7 +16,9 @@ from low_bits_training.titan.trainer import LowBitsTrainer
 
 @pytest.fixture(autouse=True)
 def _in_the_repo(monkeypatch):
-    monkeypatch.chdir(REPO)  # relative run folders and assets, as run_llama_train.sh resolves them; nothing is written
+    monkeypatch.chdir(
+        REPO
+    )  # relative run folders and assets, as run_llama_train.sh resolves them; nothing is written
 
 
 def _folder(*args: str, config=DEBUG_TOML) -> str:
