@@ -6,7 +6,7 @@
 #   RUN_NAME=fp8-8b ./submit.sh                             # again: resumes outputs/fp8-8b from its checkpoint
 #
 # Extra arguments are training overrides (as for run_llama_train.sh). Before anything is written or submitted
-# the launcher checks the job's config here, for NNODES x NGPU processes (low_bits_training.titan.launcher
+# the launcher checks the job's config here, for NNODES x NGPU processes (low_bits_training.titan.launch.launcher
 # --check-only): bad input is one line and exit code 2 (4 for a checkpoint it could not resume), as on a node.
 # Environment:
 #   CONFIG_FILE   TOML (default train_configs/debug_model.toml)
@@ -66,7 +66,7 @@ fi
 source scripts/ensure_venv.sh
 
 # The launcher's own check, with the training arguments train.sbatch gives it on the nodes.
-"$PYTHON" -m low_bits_training.titan.launcher --check-only --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+"$PYTHON" -m low_bits_training.titan.launch.launcher --check-only --nnodes="$NNODES" --nproc_per_node="$NGPU" \
   -- --config-file "$CONFIG_FILE" --job.name "$RUN_NAME" --dump_folder "$DUMP_FOLDER" --checkpoint.enable "$@"
 
 # What the batch script needs; W&B names (and resumes) the run after the folder.

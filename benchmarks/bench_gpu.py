@@ -150,12 +150,12 @@ def train_rows(args) -> list[dict]:
 
 
 def train_once(recipe: str, backend: str, steps: int) -> float | str:
-    from low_bits_training.titan.metrics import read_metrics
+    from low_bits_training.titan.runtime.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
-            "--rdzv_endpoint=localhost:0", "-m", "low_bits_training.titan.launch",
+            "--rdzv_endpoint=localhost:0", "-m", "low_bits_training.titan.launch.worker",
             "--config-file", str(REPO / "train_configs" / "llama3_1b.toml"), "--dump_folder", tmp,
             "--training.steps", str(steps), "--training.seq_len", "4096", "--training.local_batch_size", "2",
             "--dataloader.dataset", "lbt_markov", "--dataloader.dataset_path", "./assets/lbt_markov",

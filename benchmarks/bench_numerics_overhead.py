@@ -45,11 +45,12 @@ def micro(steps: int = 20) -> None:
     import torch
     from torch import nn
 
+    from low_bits_training.config.numerics import NumericsConfig
     from low_bits_training.formats import QuantSpec
     from low_bits_training.nn import LinearPlan
     from low_bits_training.nn.linear import QuantLinear
     from low_bits_training.nn.roles import ROLE_NAMES
-    from low_bits_training.titan.numerics import NumericsConfig, NumericsMonitor
+    from low_bits_training.titan.runtime.numerics import NumericsMonitor
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -145,7 +145,7 @@ def child(label: str, quick: bool, steps: int, ranks: int, mode: str) -> dict:
     import torch
 
     from low_bits_training.optim.memory import allocated_peak
-    from low_bits_training.titan.cpu import _peak_rss_bytes, _reset_peak_rss
+    from low_bits_training.titan.platform.cpu import _peak_rss_bytes, _reset_peak_rss
 
     params, names = _params(quick, ranks)
     numel = sum(p.to_local().numel() if ranks > 1 else p.numel() for p in params)

@@ -36,7 +36,8 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="localhost")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from low_bits_training.nn import functional
-    from low_bits_training.titan import cpu, launch
+    from low_bits_training.titan.launch import worker
+    from low_bits_training.titan.platform import cpu
 
     if keep_merged:
         functional.recast_under_compile = lambda plan: False
@@ -48,7 +49,7 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
         *(["--quantize.recipe", recipe] if recipe != "preset" else []),
         *(["--compile.enable"] if compiled else []),
     ]  # fmt: skip
-    trainer = launch.build_config(argv).build()
+    trainer = worker.build_config(argv).build()
     step, result = trainer.train_step, {}
 
     def counted_step(*args, **kwargs):

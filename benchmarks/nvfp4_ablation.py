@@ -31,7 +31,7 @@ from low_bits_training.cli.grid import Grid
 from low_bits_training.cli.summary import markdown, mean_std, run_stats, write_csv
 
 RECIPES = ("bf16", "nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp4")
-BASE = "low_bits_training.titan.bases:llama3_narrow"
+BASE = "low_bits_training.titan.launch.bases:llama3_narrow"
 """The debug model at width 128 with 2 blocks (vocab 2048). The emulated NVFP4 step is dominated by per-cast
 overhead (random bits, Hadamard butterflies, six casts per layer), not by the GEMMs: ~0.5-1.4 s per step on one
 thread, ~5x the bf16 step."""

@@ -76,7 +76,7 @@ def train(label: str, steps: int, work: Path) -> dict[int, float]:
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=localhost:0",
         "-m",
-        "low_bits_training.titan.launch",
+        "low_bits_training.titan.launch.worker",
         "--config-file",
         str(folder / "cfg.toml"),
         "--dump_folder",

@@ -165,7 +165,7 @@ def run_gpu_tests(out: Path) -> list[dict]:
 def run_training(out: Path) -> dict:
     """Level 3: the debug model, a few compiled steps with fp8_rowwise, through the launcher."""
     folder = out / "train_fp8_rowwise"
-    cmd = [sys.executable, "-m", "low_bits_training.titan.launcher", "--nproc_per_node=1", "--rdzv_backend",
+    cmd = [sys.executable, "-m", "low_bits_training.titan.launch.launcher", "--nproc_per_node=1", "--rdzv_backend",
            "c10d", "--rdzv_endpoint=localhost:0", "--", "--config-file", "train_configs/debug_model.toml",
            "--dump_folder", str(folder), *TRAIN]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)

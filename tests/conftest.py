@@ -36,7 +36,7 @@ def inductor_cache_dir() -> Path:
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-from low_bits_training.titan import cpu  # noqa: E402
+from low_bits_training.titan.platform import cpu  # noqa: E402
 
 if cpu.needs_cpu_adapters():
     cpu.install_device_module()

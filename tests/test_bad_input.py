@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from helpers import DEBUG_TOML, REPO, train, train_command, train_env, write_toml
 from low_bits_training.config.tree import ConfigError
-from low_bits_training.titan.launch import build_config
-from low_bits_training.titan.validate import check_run
+from low_bits_training.titan.launch.validate import check_run
+from low_bits_training.titan.launch.worker import build_config
 
 BASE = tomllib.loads(DEBUG_TOML.read_text())
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -251,7 +251,12 @@ def _truncate_largest(folder: Path) -> None:
             1,
             "(quantize.recipe: checkpoint has 'bf16', this run has",
         ),
-        (("--job.base", "low_bits_training.titan.bases:llama3_tiny"), None, 1, "(model.config.layers:"),
+        (
+            ("--job.base", "low_bits_training.titan.launch.bases:llama3_tiny"),
+            None,
+            1,
+            "(model.config.layers:",
+        ),
         ((), None, 2, "holds the data position of 1 data-parallel rank(s), this run has 2"),
     ],
     ids=["truncated", "another-plan", "another-model", "resharded-data"],

@@ -96,10 +96,10 @@ RUN: dict[str, str] = {
     ".venv/bin/pre-commit install": ".venv/bin/pre-commit install",
     # experiments.md
     "env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517 "
-    ".venv/bin/python -m low_bits_training.titan.launch --config-file train_configs/debug_model.toml "
+    ".venv/bin/python -m low_bits_training.titan.launch.worker --config-file train_configs/debug_model.toml "
     "--dump_folder /tmp/single --training.steps 2 --training.local_batch_size 2 --training.seq_len 128 "
     "--metrics.log_freq 1 --checkpoint.no-enable": "env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 "
-    "MASTER_ADDR=localhost MASTER_PORT=29517 .venv/bin/python -m low_bits_training.titan.launch --config-file "
+    "MASTER_ADDR=localhost MASTER_PORT=29517 .venv/bin/python -m low_bits_training.titan.launch.worker --config-file "
     "train_configs/debug_model.toml --dump_folder {tmp}/single --training.steps 2 --training.local_batch_size 2 "
     "--training.seq_len 128 --metrics.log_freq 1 --checkpoint.no-enable",
     "DRY_RUN=1 ./submit.sh": "DRY_RUN=1 ./submit.sh",
@@ -182,10 +182,10 @@ NEEDS: dict[str, str] = {
         "slurm (against a fake sbatch: tests/cli/test_sweep.py::test_sweep_submits_each_point_through_submit_sh)"
     ),
     "env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517 gdb -ex r -ex bt --args "
-    ".venv/bin/python -m low_bits_training.titan.launch --config-file train_configs/debug_model.toml "
+    ".venv/bin/python -m low_bits_training.titan.launch.worker --config-file train_configs/debug_model.toml "
     "--training.steps 2": "a debugger session (interactive)",
     "gdb -ex 'set follow-fork-mode child' -ex r --args .venv/bin/python -m torch.distributed.run "
-    "--nproc_per_node=1 -m low_bits_training.titan.launch --config-file train_configs/debug_model.toml": (
+    "--nproc_per_node=1 -m low_bits_training.titan.launch.worker --config-file train_configs/debug_model.toml": (
         "a debugger session (interactive)"
     ),
     "gdb -p <PID> -batch -ex 'thread apply all bt'": "a debugger session on a running job",
@@ -366,7 +366,7 @@ def test_doctor_on_the_8b_preset_warns_of_the_tokenizer_and_shows_the_plan(clean
         "on CUDA SM100: 1 x Linear [high]; 160 x torchao Float8Linear (rowwise) [torchao]",
     ]
     # the exit code depends on this machine's disk (the disk row); the launcher refuses the run itself:
-    launcher = (".venv/bin/python -m low_bits_training.titan.launcher --check-only -- "
+    launcher = (".venv/bin/python -m low_bits_training.titan.launch.launcher --check-only -- "
                 "--config-file train_configs/llama3_8b_mxfp8.toml")  # fmt: skip
     root, env = clean_copy
     refused = subprocess.run(["bash", "-c", launcher], cwd=root, env=env, capture_output=True, text=True)

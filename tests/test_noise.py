@@ -1,6 +1,6 @@
-"""The upstream noise filter (titan/noise.py) drops exactly its lines, made by the upstream code itself, and lets
-every other record through: other lines of the same loggers, lines of other loggers, and its own lines
-before it is installed."""
+"""The upstream noise filter (titan/platform/noise.py) drops exactly its lines, made by the upstream code
+itself, and lets every other record through: other lines of the same loggers, lines of other loggers, and its
+own lines before it is installed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch.utils._pytree as pytree
 
-from low_bits_training.titan import noise
+from low_bits_training.titan.platform import noise
 
 
 class _Keep(logging.Handler):

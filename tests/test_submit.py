@@ -113,7 +113,7 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
         "--kill-on-bad-exit=1",
         sys.executable,
         "-m",
-        "low_bits_training.titan.launcher",
+        "low_bits_training.titan.launch.launcher",
         "--nnodes=2",
         "--nproc_per_node=4",
         "--max-restarts=0",

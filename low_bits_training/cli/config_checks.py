@@ -28,7 +28,7 @@ def cpu_adapters_once() -> None:
     """The CPU adapters before the first torchtitan import (a no-op when they are in or not needed)."""
     import sys
 
-    from low_bits_training.titan import cpu
+    from low_bits_training.titan.platform import cpu
 
     tt = sys.modules.get("torchtitan.tools.utils")
     if cpu.needs_cpu_adapters() and getattr(tt, "device_type", None) != "cpu":
@@ -47,9 +47,9 @@ vocabulary and its plan are the preset's (shapes need no tokenizer)."""
 def resolve_run(
     config_file: str | None, args: list[str], env: dict[str, str] | None = None, stand_in: bool = False
 ) -> tuple[Check, Any]:
-    """Resolve and check the run with the launcher's own check (``titan.launcher.check``: TOML, overrides,
-    torchtitan's checks, the precision plan, datasets and tokenizer, value ranges, parallel degrees against
-    ``NGPU`` processes, the checkpoint it would resume from); a refusal is a FAIL.
+    """Resolve and check the run with the launcher's own check (``titan.launch.launcher.check``: TOML,
+    overrides, torchtitan's checks, the precision plan, datasets and tokenizer, value ranges, parallel degrees
+    against ``NGPU`` processes, the checkpoint it would resume from); a refusal is a FAIL.
 
     Args:
         stand_in: where the launcher's only refusal is a missing tokenizer, resolve the run again with
@@ -60,9 +60,9 @@ def resolve_run(
         The check and the built config (None when it did not resolve).
     """
     from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan.checkpoint import CheckpointError
-    from low_bits_training.titan.datasets import TokenizerMissing
-    from low_bits_training.titan.launcher import check
+    from low_bits_training.titan.launch.datasets import TokenizerMissing
+    from low_bits_training.titan.launch.launcher import check
+    from low_bits_training.titan.runtime.checkpoint import CheckpointError
 
     processes = _processes(env if env is not None else dict(os.environ))
     try:
@@ -116,10 +116,10 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
     """What runs each GEMM entry of the run on ``hw``: FQN -> (module label, backend per GEMM), in model
     order, every kind of target.
 
-    The run the launcher trains (``titan.targets.resolve_run``: the plan of step 1, a phase starting at
+    The run the launcher trains (``titan.plan.targets.resolve_run``: the plan of step 1, a phase starting at
     step 0 included); entries a base's torchtitan converter swapped are ``torchtitan``.
     """
-    from low_bits_training.titan import targets
+    from low_bits_training.titan.plan import targets
 
     run = targets.run_of(config, hw) if quantize is None else targets.resolve_run(config, hw, quantize)
     labels = run.labels()
@@ -130,7 +130,7 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
 
 
 def _slow_fix(config: Any, hw: Hardware, quantize: Any) -> str:
-    from low_bits_training.titan.targets import plan_on
+    from low_bits_training.titan.plan.targets import plan_on
 
     if hw.kind == "cpu":
         return "CPU: numerics are exact, speed is not a GPU's"
@@ -149,7 +149,7 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
     Raises:
         ConfigError: the plan does not resolve (see ``config.plan.resolve_plan``).
     """
-    from low_bits_training.titan.attention import UNCHANGED
+    from low_bits_training.titan.plan.attention import UNCHANGED
 
     # attention the plan leaves alone is not listed (it runs as it would without this package)
     rows = {f: r for f, r in layer_backends(config, hw, quantize).items() if r[0] != UNCHANGED}
@@ -164,7 +164,7 @@ def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
     """One WARN row per reason a group of the run's layers does not run torchao's kernel on ``hw``
     (``config.plan_table.fallbacks``: the lines under the plan table, from ``backends.fallback_reason``)."""
     from low_bits_training.config.plan_table import fallbacks
-    from low_bits_training.titan import targets
+    from low_bits_training.titan.plan import targets
 
     run = targets.run_of(config, hw)
     rows = fallbacks(run.plans, run.shapes, hw, config.quantize.backend, config.quantize.torchao)
@@ -232,7 +232,8 @@ def glob_exists(path: str) -> bool:
 
 def check_tokenizer(config: Any) -> Check:
     """Where the tokenizer is (the launcher's validation already refused a folder without one)."""
-    from low_bits_training.titan.datasets import TOKENIZER_FILES, tokenizer_file  # the launcher's: one home
+    # the launcher's: one home
+    from low_bits_training.titan.launch.datasets import TOKENIZER_FILES, tokenizer_file
 
     path = Path(config.hf_assets_path)
     found = tokenizer_file(path)

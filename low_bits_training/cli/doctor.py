@@ -100,7 +100,7 @@ def exit_code(checks: list[Check]) -> ExitCode:
 
 
 def main(argv: list[str] | None = None) -> ExitCode:
-    from low_bits_training.titan import noise
+    from low_bits_training.titan.platform import noise
 
     noise.install()  # upstream lines no user can act on: torchtitan warns once per config checked here
     parser = argparse.ArgumentParser(

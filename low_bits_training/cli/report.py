@@ -9,12 +9,12 @@ import argparse
 import sys
 
 from low_bits_training.config.exits import ExitCode
-from low_bits_training.titan import noise
+from low_bits_training.titan.platform import noise
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and build the report; a missing run folder is one line and exit code 2."""
-    noise.install()  # upstream lines no user can act on (titan/noise.py)
+    noise.install()  # upstream lines no user can act on (titan/platform/noise.py)
     p = argparse.ArgumentParser(prog="lbt-report", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run folders (each a training's dump_folder)")
     p.add_argument("-o", "--out", default="report", help="output folder for the PNGs and report.html")

@@ -19,7 +19,7 @@ from low_bits_training.cli.grid import NPROC, Grid, parse_value
 from low_bits_training.cli.summary import RunStats, final_step, markdown, run_stats, write_csv
 from low_bits_training.cli.sweep import run_points
 from low_bits_training.config.exits import ExitCode
-from low_bits_training.titan import noise
+from low_bits_training.titan.platform import noise
 
 SUPERLINEAR = 1.2  # efficiency above this is a measurement problem, not a speedup
 HEADER = (
@@ -86,7 +86,7 @@ def report(grid: Grid, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    noise.install()  # upstream lines no user can act on (titan/noise.py)
+    noise.install()  # upstream lines no user can act on (titan/platform/noise.py)
     parser = argparse.ArgumentParser(
         prog="lbt-scaling",
         description=__doc__.split("\n\n")[0],

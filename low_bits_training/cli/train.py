@@ -1,4 +1,5 @@
-"""``lbt-train``: the training command on PATH, the launcher ``run_llama_train.sh`` runs (``titan/launcher.py``).
+"""``lbt-train``: the training command on PATH, the launcher ``run_llama_train.sh`` runs
+(``titan/launch/launcher.py``).
 
     lbt-train --config-file train_configs/debug_model.toml --training.steps 4      # one process
     lbt-train --nproc_per_node 2 --standalone -- --config-file train_configs/debug_model.toml
@@ -10,7 +11,7 @@ folder), then torchrun starts the ranks in the same process; arguments before ``
 
 import sys
 
-from low_bits_training.titan.launcher import main
+from low_bits_training.titan.launch.launcher import main
 
 if __name__ == "__main__":
     sys.exit(main())

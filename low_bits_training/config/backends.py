@@ -82,7 +82,7 @@ def mxfp8_cuda_cast_built() -> bool:
     schema on SM100 with CUDA >= 12.8 (prototype/mx_formats/kernels.py) and its compiled extension registers
     the kernel (it does so on any machine: a kernel without a schema is no op); where the extension did not
     load for this torch build, torchao only warns, and the first backward of an MXFP8 layer would raise. (``torch._C._dispatch_has_kernel_for_dispatch_key``: listed in
-    titan/compat.py ``UPSTREAM``.)"""
+    titan/platform/compat.py ``UPSTREAM``.)"""
     import torch
 
     try:

@@ -36,13 +36,13 @@ SIGNAL_BASE = 128
 
 
 class NonFiniteError(RuntimeError):
-    """Raised on every rank by the "stop" policy (``titan/numerics``); the message is the one line for the
-    user."""
+    """Raised on every rank by the "stop" policy (``titan/runtime/numerics``); the message is the one line for
+    the user."""
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed (``titan/checkpoint.py``); the message says which and why in one
-    line."""
+    """A checkpoint that cannot be resumed (``titan/runtime/checkpoint.py``); the message says which and why
+    in one line."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``[job]``: where a config starts from and what the run is called (a ``Section``: checked when built, when
 the TOML sets it and when a command-line flag rebuilds it). The one ``[job]`` class: the TOML loader reads
-it before the base is known, and the trainer's config tree holds it (``titan/trainer.py``)."""
+it before the base is known, and the trainer's config tree holds it (``titan/runtime/trainer.py``)."""
 
 from __future__ import annotations
 

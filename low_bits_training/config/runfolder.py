@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
-"""Every logged metric, one JSON line per logged step (``titan/metrics.py``)."""
+"""Every logged metric, one JSON line per logged step (``titan/runtime/metrics.py``)."""
 CONFIG_TOML = "config.toml"
 """The resolved config: the base plus what differs from it; rerunnable as ``CONFIG_FILE``."""
 CONFIG_JSON = "config.json"
@@ -82,7 +82,8 @@ def read_metrics(folder: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 PLAN_TEXT = "precision_plan.txt"
-"""The plan table of the run (one per phase with a schedule), as logged at the start (``titan/targets.py``)."""
+"""The plan table of the run (one per phase with a schedule), as logged at the start
+(``titan/plan/targets.py``)."""
 PLAN_JSON = "precision_plan.json"
 """The plan of step 1, one object per entry (``config.plan_table.plan_to_json``)."""
 SCHEDULE_JSON = "precision_schedule.json"

@@ -3,7 +3,7 @@
 A probe is two tensors a layer owns (``LayerState.stats`` and ``.flags``), updated in place inside the
 quantized matmul's forward and backward. That is all torch.compile needs: no module hooks, no Python
 callbacks, no host syncs in the step (compiled graphs may mutate buffers, in backward too). Whoever wants
-the numbers (titan/numerics) reads and resets the tensors between steps.
+the numbers (titan/runtime/numerics) reads and resets the tensors between steps.
 
 - ``stats[i]``: the raw statistics vector (``numerics.stats``) of ``ROLES[i]``, combined over the calls of a
   step (sums add, amax by max, the smallest scale by min), computed from the very values the GEMM used.

@@ -1,6 +1,6 @@
 """Statistics of quantization: amax, scales, underflow / saturation, SQNR, exponent histograms, first NaN.
 
-Pure functions of tensors: no torch.distributed inside (titan/numerics.py reduces across ranks). See
+Pure functions of tensors: no torch.distributed inside (titan/runtime/numerics.py reduces across ranks). See
 docs/numerics.md.
 """
 

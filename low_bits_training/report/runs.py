@@ -4,8 +4,8 @@
 The numbers every table (sweep, scaling, report) shows come from here:
 
 - the **final loss** is the loss of the run's last logged step, and the metrics writer always logs a run's
-  last step (``titan/metrics.py``), whatever ``metrics.log_freq`` is; ``RunData.last_step`` says which step
-  that is and ``RunData.total_steps`` what the run was asked for (a run cut short shows fewer);
+  last step (``titan/runtime/metrics.py``), whatever ``metrics.log_freq`` is; ``RunData.last_step`` says which
+  step that is and ``RunData.total_steps`` what the run was asked for (a run cut short shows fewer);
 - **throughput** is the **median** tokens/s per process over the logged training rows, leaving out each
   process start's first row (``runfolder.FIRST_LOG``: its window holds warm-up, compilation and any checkpoint
   load). The median shrugs off steps slowed by other jobs on a shared machine. A run whose only row is a

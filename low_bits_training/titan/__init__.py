@@ -1,0 +1,11 @@
+"""Everything that touches torchtitan, in four rooms by lifecycle; each imports only the rooms before it.
+
+- ``platform/``: what every process stands on: the CPU adapters, the compat guard, which rank this is, the
+  upstream log lines no user can act on filtered out.
+- ``plan/``: the precision plan's targets, one module per kind, their registry, the schedule, delayed scaling.
+- ``runtime/``: the running trainer: steps, checkpoints, metrics, the numerics monitor, profiling.
+- ``launch/``: the TOML onto ``Trainer.Config``, the checks, torchrun, and the per-rank ``worker``.
+
+The pure config sections the trainer carries (``[job]``, ``[quantize]``, ``[numerics]``, ``[profiling]``) live
+in ``low_bits_training/config/``.
+"""

@@ -187,7 +187,7 @@ def test_no_arguments_check_the_run_the_launcher_starts_by_default(clean_env, mo
 def test_a_missing_tokenizer_is_a_warn_the_plan_still_shows_and_the_launcher_refuses(clean_env, capsys):
     # issue 30: the 8B presets name a Llama tokenizer a fresh clone lacks; doctor says so and still shows the
     # backend and recipe rows (the rest resolved with the built-in corpus); the launcher refuses with exit 2.
-    from low_bits_training.titan import launcher
+    from low_bits_training.titan.launch import launcher
 
     empty = clean_env / "no_tokenizer"
     empty.mkdir()
@@ -261,7 +261,8 @@ def _built_modules(config) -> dict[str, str]:
     with torch.device("meta"):
         model = config.model_spec.model.build()
     out = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    # the attention products, <attention fqn>.qk / .pv (titan/attention.py): FlexAttention, the CPU adapter's
+    # the attention products, <attention fqn>.qk / .pv (titan/plan/attention.py): FlexAttention, the CPU
+    # adapter's
     # DenseMaskAttention or QuantFlexAttention
     for n, m in model.named_modules():
         if isinstance(m, FlexAttention):
@@ -305,7 +306,7 @@ ATTENTION = [{"layers": ["layers.[12].attention.qk"], "format": "e4m3", "scaling
 def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch, quantize, base):
     from low_bits_training.cli.config_checks import layer_backends, resolve_run
     from low_bits_training.config.backends import GEMMS, detect_hardware, gemm_backend
-    from low_bits_training.titan.targets import current_plans
+    from low_bits_training.titan.plan.targets import current_plans
 
     monkeypatch.syspath_prepend(str(REPO))  # the converted base lives in tests/
     toml = write_toml(clean_env / "run.toml", quantize=quantize)
@@ -330,7 +331,7 @@ def test_doctor_runs_the_launchers_whole_check(clean_env):
     # A parallel layout the launcher refuses for NGPU processes (validate.check_run) is a FAIL here too,
     # with the launcher's own line.
     from low_bits_training.cli.config_checks import resolve_run
-    from low_bits_training.titan.launcher import check
+    from low_bits_training.titan.launch.launcher import check
 
     args = ["--parallelism.tensor_parallel_degree", "2", "--dump_folder", str(clean_env / "out")]
     status, config = resolve_run("train_configs/debug_model.toml", args, {"NGPU": "1"})
@@ -344,7 +345,7 @@ def test_doctor_runs_the_launchers_whole_check(clean_env):
 
 def test_every_layer_that_falls_back_says_why_in_doctor_and_the_plan_table(clean_env, monkeypatch):
     # issue 29: config.backends.fallback_reason, one row (one line under the plan table) per group of layers.
-    from low_bits_training.titan.targets import save_plan
+    from low_bits_training.titan.plan.targets import save_plan
 
     monkeypatch.chdir(REPO)
     mixed = "train_configs/recipes/debug_torchao_mixed.toml"  # layer 0 stochastic, layer 1 MXFP8, rest fp8

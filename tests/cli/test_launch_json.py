@@ -18,7 +18,9 @@ def configurations() -> dict[str, dict]:
 
 
 def test_single_process_configs_set_torchrun_env():
-    direct = [c for c in configurations().values() if c.get("module") == "low_bits_training.titan.launch"]
+    direct = [
+        c for c in configurations().values() if c.get("module") == "low_bits_training.titan.launch.worker"
+    ]
     assert len(direct) == 2
     for c in direct:
         assert TORCHRUN_ENV <= set(c["env"]), c["name"]
@@ -29,14 +31,14 @@ def test_torchrun_and_attach_configs():
     cs = configurations()
     run = cs["lbt: torchrun 2 ranks (debugger follows the rank processes)"]
     assert run["module"] == "torch.distributed.run" and run["subProcess"] is True
-    assert run["args"][run["args"].index("-m") + 1] == "low_bits_training.titan.launch"
+    assert run["args"][run["args"].index("-m") + 1] == "low_bits_training.titan.launch.worker"
     assert cs["lbt: attach to a running rank (pick the process)"]["processId"] == "${command:pickProcess}"
 
 
 @pytest.mark.parametrize("name", ["lbt: train debug model (1 process, no torchrun)"])
 def test_launch_args_resolve(name, monkeypatch):
-    from low_bits_training.titan.configure import load_config
-    from low_bits_training.titan.launch import split_config_file
+    from low_bits_training.titan.launch.configure import load_config
+    from low_bits_training.titan.launch.worker import split_config_file
 
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("CONFIG_FILE", raising=False)

@@ -12,11 +12,11 @@ from helpers import REPO
 
 def test_lbt_train_is_the_launcher():
     from low_bits_training.cli import train
-    from low_bits_training.titan import launcher
+    from low_bits_training.titan.launch import launcher
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["lbt-train"] == "low_bits_training.cli.train:main" and train.main is launcher.main
-    assert "low_bits_training.titan.launcher" in (REPO / "run_llama_train.sh").read_text()
+    assert "low_bits_training.titan.launch.launcher" in (REPO / "run_llama_train.sh").read_text()
 
 
 def test_lbt_train_refuses_a_bad_key_in_one_line_and_writes_nothing(tmp_path):

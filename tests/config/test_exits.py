@@ -50,7 +50,7 @@ def test_every_ending_has_its_own_code_and_a_crash_has_none():
 
 
 def test_the_old_homes_are_the_same_classes():
-    from low_bits_training.titan.checkpoint import CheckpointError as titan_checkpoint_error
-    from low_bits_training.titan.numerics import NonFiniteError as titan_nonfinite_error
+    from low_bits_training.titan.runtime.checkpoint import CheckpointError as titan_checkpoint_error
+    from low_bits_training.titan.runtime.numerics import NonFiniteError as titan_nonfinite_error
 
     assert titan_checkpoint_error is CheckpointError and titan_nonfinite_error is NonFiniteError

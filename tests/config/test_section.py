@@ -8,10 +8,10 @@ from typing import Annotated, ClassVar, Literal
 
 import pytest
 
+from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.config.plan import Phase, PlanChange, QuantizeConfig, QuantRule
 from low_bits_training.config.section import AtLeast, Matches, Section
 from low_bits_training.config.tree import ConfigError, apply_dict, build_dataclass
-from low_bits_training.titan.numerics import NumericsConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,7 +51,7 @@ def test_checked_when_the_toml_sets_fields_of_an_existing_section():
 def test_job_section():
     from low_bits_training.config.job import JobConfig
 
-    assert JobConfig(base="low_bits_training.titan.bases:llama3_1b", name="run-1.a").name == "run-1.a"
+    assert JobConfig(base="low_bits_training.titan.launch.bases:llama3_1b", name="run-1.a").name == "run-1.a"
     with pytest.raises(ConfigError, match=r"^job.base = 'llama3': expected 'module:function'"):
         JobConfig(base="llama3")
     with pytest.raises(ConfigError, match=r"^job.name = 'a/b': expected letters, digits"):

@@ -3,12 +3,12 @@
 import pytest
 
 from low_bits_training.config.backends import Hardware
+from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.config.plan import LayerShape, QuantizeConfig, resolve_plan
 from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.config.tree import ConfigError, apply_dict
 from low_bits_training.config.whatif import resolve_whatif
 from low_bits_training.nn import ROLE_NAMES, ROLES
-from low_bits_training.titan.numerics import NumericsConfig
 
 LAYERS = {
     f"layers.{i}.{n}": LayerShape(256, 256, 256)

@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.formats import QuantSpec, fake_quantize, grouped_shape, hadamard
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan, ProbeMode, QuantLinear, probe, rng
 from low_bits_training.nn.whatif import WhatIf, WhatIfLinear, _keys, reset
 from low_bits_training.numerics import SIZE, operand_stats
 from low_bits_training.numerics.whatif import block_range, format_binades, summarize_whatif, whatif_stats
-from low_bits_training.titan.numerics import NumericsConfig, NumericsMonitor
+from low_bits_training.titan.runtime.numerics import NumericsMonitor
 
 NAMES = ("nvfp4", "mxfp4")
 B8 = QuantSpec("e2m1", "block", block_size=8, scale_format="e8m0")

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan, ProbeMode, probe
 from low_bits_training.nn.linear import QuantLinear
 from low_bits_training.nn.roles import ROLE_NAMES
 from low_bits_training.numerics import operand_stats, summarize
-from low_bits_training.titan.numerics import NumericsConfig, NumericsMonitor
+from low_bits_training.titan.runtime.numerics import NumericsMonitor
 
 MX = QuantSpec.mxfp8("e4m3")
 

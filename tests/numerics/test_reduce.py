@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from helpers import free_port, leave_worker
 from low_bits_training.formats import QuantSpec
 from low_bits_training.numerics import operand_stats, summarize
-from low_bits_training.titan.numerics import reduce_raw
+from low_bits_training.titan.runtime.numerics import reduce_raw
 
 SPECS = [QuantSpec.mxfp8("e4m3"), QuantSpec.int8_rowwise(), QuantSpec("e2m1", "block", block_size=16)]
 

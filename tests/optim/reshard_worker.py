@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from low_bits_training.titan import cpu
+from low_bits_training.titan.platform import cpu
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
 from helpers import leave_worker  # noqa: E402
@@ -28,7 +28,7 @@ if cpu.needs_cpu_adapters():
 
 from torchtitan.components.optimizer import ParamGroupConfig  # noqa: E402
 
-from low_bits_training.titan.optim import LowBitOptimizersContainer  # noqa: E402
+from low_bits_training.titan.runtime.optim import LowBitOptimizersContainer  # noqa: E402
 
 KWARGS = {
     "lr": 1e-2,

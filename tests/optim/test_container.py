@@ -8,7 +8,11 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.optim import LowBitAdamW
-from low_bits_training.titan.optim import LowBitOptimizersContainer, adapt_optimizer_config, check_group
+from low_bits_training.titan.runtime.optim import (
+    LowBitOptimizersContainer,
+    adapt_optimizer_config,
+    check_group,
+)
 
 
 class _Cfg:

@@ -1,6 +1,6 @@
-"""Quantized attention GEMMs in the torchtitan model (titan/attention.py): swapped in only where the plan names
-the attention products, equal to the CPU adapter's attention in high precision, refused in one line where it
-cannot run, and training the debug model (train_configs/recipes/debug_fp8_attention.toml)."""
+"""Quantized attention GEMMs in the torchtitan model (titan/plan/attention.py): swapped in only where the plan
+names the attention products, equal to the CPU adapter's attention in high precision, refused in one line
+where it cannot run, and training the debug model (train_configs/recipes/debug_fp8_attention.toml)."""
 
 import re
 from collections import namedtuple
@@ -18,7 +18,7 @@ FP8 = QuantRule(layers=["layers.*.attention.qk", "layers.*.attention.pv"], forma
 
 
 def _config(recipe: str = "fp8_tensorwise", rules=(), **parallelism):
-    from low_bits_training.titan.configure import load_config
+    from low_bits_training.titan.launch.configure import load_config
 
     config = load_config(REPO / "train_configs" / "debug_model.toml", [])
     config.quantize.recipe, config.quantize.rules = recipe, list(rules)
@@ -32,7 +32,7 @@ def _inner(config) -> list:
 
 
 def test_nothing_selects_attention_nothing_changes():
-    from low_bits_training.titan.targets import apply_run, current_plans
+    from low_bits_training.titan.plan.targets import apply_run, current_plans
 
     config = _config()
     before = _inner(config)
@@ -45,8 +45,8 @@ def test_nothing_selects_attention_nothing_changes():
 
 
 def test_named_products_swap_the_inner_attention():
-    from low_bits_training.titan.attention import quant_attention_class
-    from low_bits_training.titan.targets import apply_run, current_plans
+    from low_bits_training.titan.plan.attention import quant_attention_class
+    from low_bits_training.titan.plan.targets import apply_run, current_plans
 
     config = _config(rules=[QuantRule(layers=["layers.[01].attention.qk"], format="e4m3", scaling="tensor")])
     apply_run(config)
@@ -59,7 +59,7 @@ def test_named_products_swap_the_inner_attention():
 
 
 def test_tensor_parallel_quantized_attention_is_refused():
-    from low_bits_training.titan.targets import apply_run
+    from low_bits_training.titan.plan.targets import apply_run
 
     with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree = 2: quantized attention"):
         apply_run(_config(rules=[FP8], tensor_parallel_degree=2))
@@ -67,8 +67,8 @@ def test_tensor_parallel_quantized_attention_is_refused():
 
 def test_high_precision_quant_attention_is_the_cpu_adapters_attention():
     """The module (BlockMask interface, dense mask, GQA) with a high-precision plan: the adapter's numbers."""
-    from low_bits_training.titan.attention import quant_attention_class
-    from low_bits_training.titan.cpu import _dense_attention_class
+    from low_bits_training.titan.plan.attention import quant_attention_class
+    from low_bits_training.titan.platform.cpu import _dense_attention_class
 
     def documents(b, h, q, kv):  # causal within two packed documents
         return (q >= kv) & ((q < 40) == (kv < 40))
@@ -117,7 +117,7 @@ def test_debug_model_trains_with_fp8_attention(tmp_path):
 
 def test_a_phase_that_changes_attention_is_refused():
     from low_bits_training.config.plan import Phase
-    from low_bits_training.titan.targets import apply_run
+    from low_bits_training.titan.plan.targets import apply_run
 
     config = _config()
     config.quantize.phases = [Phase(start=0.5, rules=[FP8])]

@@ -1,5 +1,6 @@
-"""One registry of our base configs (titan/bases.py ``__all__``): every base function of the package is in it, each
-resolves as ``[job] base`` to our config class, and every preset that names a base of ours names it there."""
+"""One registry of our base configs (titan/launch/bases.py ``__all__``): every base function of the package is
+in it, each resolves as ``[job] base`` to our config class, and every preset that names a base of ours names
+it there."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from low_bits_training.titan import bases
-from low_bits_training.titan.configure import resolve_base
-from low_bits_training.titan.trainer import LowBitsTrainer
+from low_bits_training.titan.launch import bases
+from low_bits_training.titan.launch.configure import resolve_base
+from low_bits_training.titan.runtime.trainer import LowBitsTrainer
 
 PACKAGE = REPO / "low_bits_training"
-REGISTRY = "low_bits_training.titan.bases"
+REGISTRY = "low_bits_training.titan.launch.bases"
 
 
 def _base_functions() -> set[str]:

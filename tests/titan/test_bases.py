@@ -2,7 +2,7 @@
 
 import torch
 
-from low_bits_training.titan.bases import llama3_narrow
+from low_bits_training.titan.launch.bases import llama3_narrow
 
 
 def test_narrow_is_the_debug_model_at_width_128_with_two_blocks():

@@ -1,4 +1,4 @@
-"""``[quantize.comm]`` (config/comm.py, titan/comm.py) against high-precision references.
+"""``[quantize.comm]`` (config/comm.py, titan/plan/comm.py) against high-precision references.
 
 - the bytes of a payload (``wire_bytes``) for known shapes, by hand;
 - bad sections refused in one line;
@@ -101,8 +101,8 @@ def _shard(model: nn.Sequential, cfg: CommConfig, param_dtype: torch.dtype | Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    from low_bits_training.titan import comm
-    from low_bits_training.titan.cpu import force_sum_reductions
+    from low_bits_training.titan.plan import comm
+    from low_bits_training.titan.platform.cpu import force_sum_reductions
 
     mesh = init_device_mesh("cpu", (2,))
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype)
@@ -156,7 +156,7 @@ def _sharded_grads(cfg: CommConfig, rank: int, draws: int = 1) -> list[dict[str,
 
 def _counted(cfg: CommConfig) -> dict[str, list[int]]:
     """The byte counters after exactly one all-gather of layer 0 and one reduce-scatter of both layers."""
-    from low_bits_training.titan import comm
+    from low_bits_training.titan.plan import comm
 
     model = _shard(_model(), cfg)
     for v in comm.BYTES.values():
@@ -191,8 +191,8 @@ def _partial(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from low_bits_training.titan import comm
-    from low_bits_training.titan.cpu import force_sum_reductions
+    from low_bits_training.titan.plan import comm
+    from low_bits_training.titan.platform.cpu import force_sum_reductions
 
     local = _TwoInOneUnit()
     local(_data(rank)).square().sum().backward()
@@ -344,7 +344,7 @@ def test_reduce_scatter_of_a_partial_unit_casts_and_counts_what_is_sent(two_rank
 
 
 def test_sent_params_finds_the_one_subset_and_refuses_a_guess():
-    from low_bits_training.titan.comm import sent_params
+    from low_bits_training.titan.plan.comm import sent_params
 
     params = [("a", 6), ("b", 4), ("c", 2)]
     assert sent_params(params, 12) == params

@@ -1,12 +1,13 @@
-"""Every private upstream name in ``titan/compat.py``: still where it was and unchanged (the test fails when
-upstream changes it, so the shim is looked at again), and each shim still does what we use it for."""
+"""Every private upstream name in ``titan/platform/compat.py``: still where it was and unchanged (the test
+fails when upstream changes it, so the shim is looked at again), and each shim still does what we use it
+for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from low_bits_training.titan import compat
+from low_bits_training.titan.platform import compat
 
 
 @pytest.mark.parametrize("name", sorted(n for n, u in compat.UPSTREAM.items() if u.digest))
@@ -23,7 +24,8 @@ def test_every_private_name_in_the_package_goes_through_compat():
     # The modules that used private upstream names before compat.py existed now import the shims instead.
     import inspect
 
-    from low_bits_training.titan import checkpoint, configure, metrics, profiling
+    from low_bits_training.titan.launch import configure
+    from low_bits_training.titan.runtime import checkpoint, metrics, profiling
 
     for module in (checkpoint, configure, metrics, profiling):
         source = inspect.getsource(module)

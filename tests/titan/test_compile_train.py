@@ -59,8 +59,8 @@ def test_two_ranks_train_compiled(tmp_path, preset, recipe):
 
 def test_statistics_under_pp_and_compile_are_one_line_refusals():
     from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan.numerics.monitor import layer_probes_work
-    from low_bits_training.titan.validate import Layout, check_numerics
+    from low_bits_training.titan.launch.validate import Layout, check_numerics
+    from low_bits_training.titan.runtime.numerics.monitor import layer_probes_work
 
     assert layer_probes_work(1, True) and layer_probes_work(2, False) and not layer_probes_work(2, True)
     layout = Layout(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2)

@@ -8,8 +8,13 @@ import pytest
 
 from helpers import DEBUG_TOML, REPO, write_toml
 from low_bits_training.config.tree import ConfigError
-from low_bits_training.titan.configure import load_config, resolve_base, save_resolved, wandb_configured
-from low_bits_training.titan.launch import build_config, split_config_file
+from low_bits_training.titan.launch.configure import (
+    load_config,
+    resolve_base,
+    save_resolved,
+    wandb_configured,
+)
+from low_bits_training.titan.launch.worker import build_config, split_config_file
 
 PRESETS = sorted((REPO / "train_configs").rglob("*.toml"))
 
@@ -154,7 +159,7 @@ def test_every_preset_loads_and_validates(preset):
 def test_launcher_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
     path = write_toml(tmp_path / "bad.toml", training={"stepz": 4})
     p = subprocess.run(
-        [sys.executable, "-m", "low_bits_training.titan.launch", "--config-file", str(path)],
+        [sys.executable, "-m", "low_bits_training.titan.launch.worker", "--config-file", str(path)],
         cwd=REPO,
         capture_output=True,
         text=True,

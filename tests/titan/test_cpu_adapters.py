@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from helpers import REPO
-from low_bits_training.titan import cpu
+from low_bits_training.titan.platform import cpu
 
 pytestmark = pytest.mark.skipif(
     not cpu.needs_cpu_adapters(), reason="adapters apply only without an accelerator"
@@ -30,7 +30,7 @@ def test_upstream_still_says_cuda_without_an_accelerator():
 
 def test_device_adapter_reaches_the_modules_that_copy_device_type():
     code = (
-        "from low_bits_training.titan import cpu; cpu.install_device_module()\n"
+        "from low_bits_training.titan.platform import cpu; cpu.install_device_module()\n"
         "import torchtitan.components.metrics as m, torchtitan.distributed.utils as d\n"
         "mon = m.DeviceMemoryMonitor(); s = mon.get_peak_stats()\n"
         "print(m.device_type, d.device_type, mon.device_name, s.max_reserved_gib > 0.01)"
@@ -40,7 +40,7 @@ def test_device_adapter_reaches_the_modules_that_copy_device_type():
 
 def test_device_adapter_refuses_to_apply_too_late():
     code = (
-        "import torchtitan.components.metrics\nfrom low_bits_training.titan import cpu\n"
+        "import torchtitan.components.metrics\nfrom low_bits_training.titan.platform import cpu\n"
         "try:\n    cpu.install_device_module()\nexcept RuntimeError as e:\n    print('refused', 'metrics' in str(e))"
     )
     assert _py(code) == "refused True"

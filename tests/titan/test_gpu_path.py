@@ -8,8 +8,9 @@ import pytest
 
 from helpers import DEBUG_TOML, REPO
 from low_bits_training.config.tree import ConfigError
-from low_bits_training.titan import compat, launcher
-from low_bits_training.titan.configure import load_config
+from low_bits_training.titan.launch import launcher
+from low_bits_training.titan.launch.configure import load_config
+from low_bits_training.titan.platform import compat
 
 CONFIGS = REPO / "train_configs"
 
@@ -41,7 +42,7 @@ def _linear_config():
 def test_our_torchao_modules_apply_the_guard_when_built(unguarded, recipe):
     from low_bits_training.config.backends import TorchaoOptions
     from low_bits_training.nn import LinearPlan
-    from low_bits_training.titan.torchao_backend import layer_config
+    from low_bits_training.titan.plan.torchao_backend import layer_config
 
     plan = LinearPlan.from_recipe(recipe)
     plan = LinearPlan(plan.specs, backends=("torchao_emulated",) * 3)
@@ -52,7 +53,7 @@ def test_our_torchao_modules_apply_the_guard_when_built(unguarded, recipe):
 
 
 def test_a_base_converted_by_torchtitans_float8_converter_gets_the_guard(unguarded):
-    from low_bits_training.titan.torchao_backend import guard_torchao_modules, torchao_modules_in
+    from low_bits_training.titan.plan.torchao_backend import guard_torchao_modules, torchao_modules_in
 
     plain = compat.config_function("llama3", "llama3_debugmodel").model_spec.model
     assert not guard_torchao_modules(plain) and not compat.fp8_stores_guarded()
@@ -62,9 +63,9 @@ def test_a_base_converted_by_torchtitans_float8_converter_gets_the_guard(unguard
 
 
 def test_the_rank_applies_the_guard_for_a_torchtitan_converted_base(unguarded):
-    from low_bits_training.titan import launch
+    from low_bits_training.titan.launch import worker
 
-    launch.build_config(
+    worker.build_config(
         ["--config-file", str(DEBUG_TOML), "--job.base", "llama3:llama3_debugmodel_float8_emulate_lora"]
     )
     assert compat.fp8_stores_guarded()
@@ -179,7 +180,7 @@ def test_tyros_own_parser_failure_names_the_flag(args):
 
 
 def _resolved(config_file, *flags):
-    from low_bits_training.titan.launch import build_config
+    from low_bits_training.titan.launch.worker import build_config
 
     return build_config(["--config-file", str(config_file), *flags])
 
@@ -200,7 +201,7 @@ def _resolved(config_file, *flags):
     ],
 )  # fmt: skip
 def test_graph_policy_per_run(config_file, flags, reasons):
-    from low_bits_training.titan.graphs import apply_graph_policy, graph_blockers
+    from low_bits_training.titan.runtime.graphs import apply_graph_policy, graph_blockers
 
     config = _resolved(config_file, *flags)
     assert graph_blockers(config) == reasons

@@ -10,8 +10,8 @@ import pytest
 from helpers import DEBUG_TOML, REPO, write_toml
 from low_bits_training.config.exits import ExitCode
 from low_bits_training.config.job import JobConfig
-from low_bits_training.titan import launcher
-from low_bits_training.titan.trainer import LowBitsTrainer
+from low_bits_training.titan.launch import launcher
+from low_bits_training.titan.runtime.trainer import LowBitsTrainer
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ import pytest
 
 from helpers import DEBUG_TOML, train, write_toml
 from low_bits_training.config.tree import ConfigError
-from low_bits_training.titan import launcher
-from low_bits_training.titan.configure import load_config, read_toml, tyro_message
+from low_bits_training.titan.launch import launcher
+from low_bits_training.titan.launch.configure import load_config, read_toml, tyro_message
 
 
 def test_torchrun_options_and_training_arguments():

@@ -1,5 +1,5 @@
 """What the launcher says before torchrun starts: which rank shows the loss under pipeline parallelism, and a
-finished run's one line (titan/launcher.py)."""
+finished run's one line (titan/launch/launcher.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from low_bits_training.titan import launcher
+from low_bits_training.titan.launch import launcher
 
 
 def _config(pp: int = 1, schedule: str = "1F1B", steps: int = 60):
@@ -52,7 +52,7 @@ def test_a_finished_run_says_so_in_one_line():
 
 
 def test_an_empty_comm_traces_folder_is_removed_after_the_run(tmp_path, monkeypatch):
-    from low_bits_training.titan.launch import remove_empty_comm_traces
+    from low_bits_training.titan.launch.worker import remove_empty_comm_traces
 
     monkeypatch.delenv("RANK", raising=False)
     config = SimpleNamespace(

@@ -1,5 +1,5 @@
-"""What the metrics writer logs (titan/metrics.py): the run's last step always, which row of a process start
-holds its warm-up, and no MFU on the CPU; read back by the one run-folder reader (report/runs.py)."""
+"""What the metrics writer logs (titan/runtime/metrics.py): the run's last step always, which row of a process
+start holds its warm-up, and no MFU on the CPU; read back by the one run-folder reader (report/runs.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from low_bits_training.config.runfolder import FIRST_LOG, TPS
 def _processor(tmp_path, steps: int, log_freq: int):
     from torchtitan.distributed import ParallelDims
 
-    from low_bits_training.titan.metrics import LowBitsMetricsProcessor
+    from low_bits_training.titan.runtime.metrics import LowBitsMetricsProcessor
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     config = LowBitsMetricsProcessor.Config(log_freq=log_freq)
@@ -41,7 +41,7 @@ def test_no_mfu_against_an_a100_peak_on_the_cpu(tmp_path):
 
 
 def test_a_process_marks_its_first_training_row(tmp_path):
-    from low_bits_training.titan.metrics import JsonlLogger
+    from low_bits_training.titan.runtime.metrics import JsonlLogger
 
     path = tmp_path / "metrics.jsonl"
     for steps in ((1, 2, 3), (3, 4)):  # a run, then a resume that redoes step 3

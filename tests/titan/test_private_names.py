@@ -1,10 +1,12 @@
-"""No package code reaches a private torch / torchtitan / torchao name except through ``titan/compat.py``.
+"""No package code reaches a private torch / torchtitan / torchao name except through
+``titan/platform/compat.py``.
 
 ``private_names`` reads every module with ``ast``: imports of a private module or name from the three
 upstreams, attribute accesses ``x._name`` (and ``getattr(x, "_name")``) whose name the package never
-defines itself. Allowed outside compat: the CPU adapters (``titan/cpu.py``, patches by design), the names
-torch documents for use although they start with an underscore (``SEMI_PUBLIC``), and, in the layers below
-titan (which cannot import compat), names recorded in ``compat.UPSTREAM`` (digest-checked like the shims).
+defines itself. Allowed outside compat: the CPU adapters (``titan/platform/cpu.py``, patches by design), the
+names torch documents for use although they start with an underscore (``SEMI_PUBLIC``), and, in the layers
+below titan (which cannot import compat), names recorded in ``compat.UPSTREAM`` (digest-checked like the
+shims).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import ast
 from pathlib import Path
 
 from helpers import REPO
-from low_bits_training.titan import compat
+from low_bits_training.titan.platform import compat
 
 UPSTREAMS = ("torch", "torchtitan", "torchao")
 SEMI_PUBLIC = {
@@ -24,7 +26,7 @@ SEMI_PUBLIC = {
     "_scaled_dot_product_flash_attention_for_cpu_backward": "an aten op name (profiling's FLOP table)",
 }
 BELOW_TITAN = ("formats", "numerics", "nn", "optim", "config", "data")
-EXEMPT = ("titan/compat.py", "titan/cpu.py")
+EXEMPT = ("titan/platform/compat.py", "titan/platform/cpu.py")
 
 
 def _defined(trees) -> set[str]:

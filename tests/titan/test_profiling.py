@@ -12,7 +12,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from helpers import REPO, train
 from low_bits_training.config.tree import ConfigError
-from low_bits_training.titan import profiling
+from low_bits_training.titan.runtime import profiling
 
 
 def _attention(B=2, N=4, L=64, H=16):

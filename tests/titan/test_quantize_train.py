@@ -18,7 +18,7 @@ def test_bad_plan_is_a_config_error_before_the_model(tmp_path):
         [
             sys.executable,
             "-m",
-            "low_bits_training.titan.launch",
+            "low_bits_training.titan.launch.worker",
             "--config-file",
             str(cfg),
             "--dump_folder",
@@ -71,7 +71,7 @@ def test_two_ranks_train_quantized(tmp_path, recipe, args):
 
 def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
     # Switching recipe is starting a new run from a checkpoint on purpose (initial_load_path): the run-shape
-    # fingerprint of titan/checkpoint.py refuses a plain resume into a different plan.
+    # fingerprint of titan/runtime/checkpoint.py refuses a plain resume into a different plan.
     fsdp = ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.interval", "3")
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     first = train(a, "--training.steps", "3", *fsdp, nproc=2, config=_config(tmp_path, "bf16"))
@@ -92,8 +92,8 @@ def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
 )
 def test_presets_load_and_validate(path):
     from low_bits_training.config.plan import QuantizeConfig
-    from low_bits_training.titan.configure import load_config
-    from low_bits_training.titan.targets import apply_run
+    from low_bits_training.titan.launch.configure import load_config
+    from low_bits_training.titan.plan.targets import apply_run
 
     config = load_config(path, [])
     assert config.quantize != QuantizeConfig() or path.stem == "debug_bf16"
@@ -194,9 +194,9 @@ def test_base_with_torchtitan_converters_works_with_quantize(tmp_path):
 )
 def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, want):
     from low_bits_training.config.backends import Hardware, gemm_backend
-    from low_bits_training.titan.attention import attention_layers
-    from low_bits_training.titan.configure import load_config
-    from low_bits_training.titan.targets import plan_on
+    from low_bits_training.titan.launch.configure import load_config
+    from low_bits_training.titan.plan.attention import attention_layers
+    from low_bits_training.titan.plan.targets import plan_on
 
     config = load_config(REPO / "train_configs" / f"{preset}.toml", [])
     assert config.compile.enable and "model" in config.compile.components

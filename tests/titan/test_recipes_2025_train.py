@@ -12,7 +12,7 @@ import sys
 
 from helpers import REPO, train, write_toml
 
-TINY = ("--job.base", "low_bits_training.titan.bases:llama3_tiny")
+TINY = ("--job.base", "low_bits_training.titan.launch.bases:llama3_tiny")
 """2 blocks: block 0 measures what-if, block 1 is delayed-scaled."""
 
 

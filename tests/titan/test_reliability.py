@@ -153,7 +153,12 @@ def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, cfg, reference)
 def test_checkpoint_of_another_model_is_refused_with_the_reason(tmp_path, cfg, reference):
     _resume_copy(reference, tmp_path, 4)
     run = train(
-        tmp_path, *ARGS, "--job.base", "low_bits_training.titan.bases:llama3_tiny", config=cfg, check=False
+        tmp_path,
+        *ARGS,
+        "--job.base",
+        "low_bits_training.titan.launch.bases:llama3_tiny",
+        config=cfg,
+        check=False,
     )
     assert run.returncode == 4
     assert "belongs to another run shape (model." in run.log and "checkpoint has" in run.log

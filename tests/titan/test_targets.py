@@ -1,4 +1,4 @@
-"""The registry of plan targets and the run resolved once (titan/target.py, titan/targets.py).
+"""The registry of plan targets and the run resolved once (titan/plan/target.py, titan/plan/targets.py).
 
 Every kind of target (linear, router, experts, attention products, the wire) is one ``TargetKind``; every
 tool reads one ``ResolvedRun``; the numerics monitor names a NaN wherever it is born, every kind.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, train, write_toml
-from low_bits_training.titan import attention, comm, moe, quantize, targets
+from low_bits_training.titan.plan import attention, comm, moe, quantize, targets
 
 PRESETS = sorted(
     [*REPO.glob("train_configs/debug_*.toml"), *REPO.glob("train_configs/recipes/debug_*.toml")],
@@ -25,7 +25,7 @@ FP8_ATTENTION = REPO / "train_configs" / "recipes" / "debug_fp8_attention.toml"
 
 
 def _load(path: Path, *args: str):
-    from low_bits_training.titan.configure import load_config
+    from low_bits_training.titan.launch.configure import load_config
 
     return load_config(path, list(args))
 

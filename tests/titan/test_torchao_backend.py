@@ -17,7 +17,7 @@ from torchtitan.models.common.linear import Linear
 from low_bits_training.config.backends import TorchaoOptions, torchao_recipe
 from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
 from low_bits_training.nn import LinearPlan, quant_linear, torchao_modules
-from low_bits_training.titan.torchao_backend import (
+from low_bits_training.titan.plan.torchao_backend import (
     TorchaoFloat8Linear,
     TorchaoMXFP8Linear,
     float8_config,

@@ -22,9 +22,9 @@ import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
 from low_bits_training.config.runfolder import FIRST_LOG, METRICS_FILE, TPS, read_metrics
-from low_bits_training.titan import cpu
-from low_bits_training.titan.compat import MetricLoggerHook, metrics_rank
-from low_bits_training.titan.ranks import rank
+from low_bits_training.titan.platform import cpu
+from low_bits_training.titan.platform.compat import MetricLoggerHook, metrics_rank
+from low_bits_training.titan.platform.ranks import rank
 
 __all__ = ["METRICS_FILE", "JsonlLogger", "LowBitsMetricsProcessor", "read_metrics"]
 

@@ -121,7 +121,7 @@ def install_device_module() -> None:
     if early:
         raise RuntimeError(
             f"CPU adapter applied too late: {early} already imported; call "
-            "low_bits_training.titan.cpu.install_device_module() before importing torchtitan"
+            "low_bits_training.titan.platform.cpu.install_device_module() before importing torchtitan"
         )
     import torchtitan.tools.utils as tt_utils
 
@@ -166,7 +166,7 @@ def _dense_attention_class():
 
         def attend(self, q, k, v, mask, scale, enable_gqa):
             """Attention of (B, N, L, H) tensors under a dense bool mask (B, 1, L, S); the quantized
-            attention (``titan.attention``) overrides this."""
+            attention (``titan.plan.attention``) overrides this."""
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
             )

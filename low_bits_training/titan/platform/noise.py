@@ -2,8 +2,8 @@
 
 Each entry names the logger that writes the line, the words that identify it and why no user can act on it.
 ``install()`` puts one filter on each of those loggers (at the source: a handler torchtitan or torch adds
-later still never sees the line). The launcher, every rank (``titan/launch.py``) and the cli tools call it
-first. Every other record passes, the same logger's other lines included (``tests/test_noise.py``).
+later still never sees the line). The launcher, every rank (``titan/launch/worker.py``) and the cli tools call
+it first. Every other record passes, the same logger's other lines included (``tests/test_noise.py``).
 Plain ``logging``: installing it imports neither torch nor torchtitan.
 """
 

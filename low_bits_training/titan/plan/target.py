@@ -1,10 +1,10 @@
 """What a kind of plan target is, in one record, and the one adapter its state modules share in torchtitan.
 
-A plan covers several kinds of target: linear layers (``titan.quantize``), MoE expert weights
-(``titan.moe``), attention products (``titan.attention``) and FSDP2's collectives (``titan.comm``). Each
-kind module defines one ``TargetKind``; ``titan.targets.TARGETS`` lists them, and every consumer (the
-resolution, the converter, the schedule, doctor and the plan table, the numerics monitor) loops over that
-list. Adding a kind is one new ``TargetKind`` (docs/precision_plan.md shows one).
+A plan covers several kinds of target: linear layers (``titan.plan.quantize``), MoE expert weights
+(``titan.plan.moe``), attention products (``titan.plan.attention``) and FSDP2's collectives
+(``titan.plan.comm``). Each kind module defines one ``TargetKind``; ``titan.plan.targets.TARGETS`` lists them,
+and every consumer (the resolution, the converter, the schedule, doctor and the plan table, the numerics
+monitor) loops over that list. Adding a kind is one new ``TargetKind`` (docs/precision_plan.md shows one).
 """
 
 from __future__ import annotations

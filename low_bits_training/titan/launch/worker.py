@@ -1,6 +1,7 @@
-"""One training rank: ``python -m low_bits_training.titan.launch --config-file x.toml [--a.b value ...]``.
+"""One training rank: ``python -m low_bits_training.titan.launch.worker --config-file x.toml [--a.b value
+...]``.
 
-torchrun starts one of these per rank (``run_llama_train.sh`` through ``titan/launcher.py``, which has
+torchrun starts one of these per rank (``run_llama_train.sh`` through ``titan/launch/launcher.py``, which has
 checked the whole config before). What ``torchtitan.train.main`` does, plus: CPU adapters first (before any
 other torchtitan import), the TOML layer, the project's datasets, and the run's own files (resolved config,
 precision plan) written once the run has really started: after the checkpoint, if any, was loaded.
@@ -19,7 +20,7 @@ import time
 
 from low_bits_training.config.argv import take_flag
 from low_bits_training.config.exits import ExitCode, classify
-from low_bits_training.titan import cpu, noise
+from low_bits_training.titan.platform import cpu, noise
 
 UNDER_LAUNCHER = "LBT_LAUNCHER"
 """Set (to 1) by the launcher for its ranks: report errors through torchrun's error file, not stderr."""
@@ -43,12 +44,12 @@ def build_config(argv: list[str]):
         ConfigError: one line, before any model is built.
     """
     from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan import datasets
-    from low_bits_training.titan.configure import load_config
-    from low_bits_training.titan.graphs import apply_graph_policy
-    from low_bits_training.titan.optim import adapt_optimizer_config
-    from low_bits_training.titan.targets import apply_run
-    from low_bits_training.titan.torchao_backend import guard_torchao_modules
+    from low_bits_training.titan.launch import datasets
+    from low_bits_training.titan.launch.configure import load_config
+    from low_bits_training.titan.plan.targets import apply_run
+    from low_bits_training.titan.plan.torchao_backend import guard_torchao_modules
+    from low_bits_training.titan.runtime.graphs import apply_graph_policy
+    from low_bits_training.titan.runtime.optim import adapt_optimizer_config
 
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
@@ -58,9 +59,11 @@ def build_config(argv: list[str]):
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     adapt_optimizer_config(config)  # low-bit / torchao optimizer names: checked kwargs, our container
-    apply_run(config)  # the run resolved once (titan/targets.py); its targets converted, before any build
+    # the run resolved once (titan/plan/targets.py); its targets converted, before any build
+    apply_run(config)
     guard_torchao_modules(config.model_spec.model)  # torchao's fp8-store NaN guard, before any compile
-    apply_graph_policy(config, on_cpu)  # CUDA graphs off where the run is not capturable (titan/graphs.py)
+    # CUDA graphs off where the run is not capturable (titan/runtime/graphs.py)
+    apply_graph_policy(config, on_cpu)
     datasets.register()
     datasets.prepare_assets(config)
     if on_cpu:
@@ -74,7 +77,7 @@ def report(error: BaseException) -> ExitCode | None:
     Under the launcher the line goes to torchrun's per-rank error file (the launcher prints it once);
     otherwise rank 0 prints it to stderr.
     """
-    from low_bits_training.titan.ranks import is_rank0
+    from low_bits_training.titan.platform.ranks import is_rank0
 
     known = classify(error)
     if known is None:
@@ -93,9 +96,9 @@ def write_run_files(config, argv: list[str]) -> None:
     """The run has started: rank 0 writes the resolved config and the precision plan into the run folder."""
     from torchtitan.tools.logging import logger
 
-    from low_bits_training.titan.configure import save_resolved
-    from low_bits_training.titan.ranks import is_rank0
-    from low_bits_training.titan.targets import save_plan
+    from low_bits_training.titan.launch.configure import save_resolved
+    from low_bits_training.titan.plan.targets import save_plan
+    from low_bits_training.titan.platform.ranks import is_rank0
 
     if is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
@@ -109,7 +112,7 @@ def run(config, on_start) -> None:
     import torch
     from torchtitan.tools.logging import logger
 
-    from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
+    from low_bits_training.titan.runtime.checkpoint import LowBitsCheckpointManager
 
     trainer = None
     try:
@@ -138,7 +141,7 @@ def remove_empty_comm_traces(config) -> None:
     torchtitan makes that folder at every start for NCCL's flight recorder (``comm.save_traces_folder``,
     distributed/utils.py ``init_distributed``), which writes into it only when a collective times out.
     """
-    from low_bits_training.titan.ranks import is_rank0
+    from low_bits_training.titan.platform.ranks import is_rank0
 
     folder = os.path.join(config.dump_folder, config.comm.save_traces_folder)
     if is_rank0() and os.path.isdir(folder) and not os.listdir(folder):
@@ -148,7 +151,7 @@ def remove_empty_comm_traces(config) -> None:
 def main(argv: list[str] | None = None) -> int:
     """One rank: resolve the config, train; a known error is one line and its exit code (``exits.ENDINGS``)."""
     argv = sys.argv[1:] if argv is None else argv
-    noise.install()  # upstream lines no user can act on (titan/noise.py), before torch logs any
+    noise.install()  # upstream lines no user can act on (titan/platform/noise.py), before torch logs any
     if cpu.needs_cpu_adapters():
         cpu.install_device_module()
     from torchtitan.tools.logging import init_logger

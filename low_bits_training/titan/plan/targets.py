@@ -1,6 +1,6 @@
 """The registry of plan targets and the run resolved once: what every tool reads.
 
-``TARGETS`` lists the kinds of target (``titan.target.TargetKind``): the FSDP2 collectives first (their
+``TARGETS`` lists the kinds of target (``titan.plan.target.TargetKind``): the FSDP2 collectives first (their
 check may switch torchao's fp8 all-gather on before the linears are converted), then linear layers, MoE
 expert weights and attention products. Nothing else enumerates the kinds.
 
@@ -27,8 +27,8 @@ from low_bits_training.config.whatif import resolve_whatif
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.state import QuantState, live_targets
-from low_bits_training.titan import attention, comm, moe, quantize
-from low_bits_training.titan.target import TargetKind
+from low_bits_training.titan.plan import attention, comm, moe, quantize
+from low_bits_training.titan.plan.target import TargetKind
 
 TARGETS: tuple[TargetKind, ...] = (comm.KIND, quantize.KIND, moe.KIND, attention.KIND)
 """Every kind of plan target, in the order ``apply_run`` converts them."""
@@ -167,7 +167,7 @@ def plan_text(
     Args:
         quantize: the run's ``[quantize]`` section (its ``backend`` and ``torchao`` options).
     """
-    from low_bits_training.titan.schedule import phase_title
+    from low_bits_training.titan.plan.schedule import phase_title
 
     def table(p: dict[str, LinearPlan]) -> str:
         why = fallbacks(p, run.shapes, run.hardware, quantize.backend, quantize.torchao)

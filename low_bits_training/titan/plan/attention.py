@@ -20,12 +20,12 @@ from low_bits_training.config.attention import check_attention_parallelism
 from low_bits_training.config.plan import LayerShape
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.attention import PRODUCTS, AttentionPlan, ProductState, quant_attention
-from low_bits_training.titan import cpu
-from low_bits_training.titan.target import TargetKind, TitanQuantState
+from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
+from low_bits_training.titan.platform import cpu
 
 
 class TitanProductState(ProductState, TitanQuantState):
-    """``ProductState`` under torchtitan's Module protocol (``titan.target.TitanQuantState``)."""
+    """``ProductState`` under torchtitan's Module protocol (``titan.plan.target.TitanQuantState``)."""
 
 
 @functools.cache
@@ -133,4 +133,4 @@ KIND = TargetKind(
     label=product_module_label,
     current=attention_plans,
 )
-"""Attention products (Q K^T, P V) as a kind of plan target (``titan.targets``)."""
+"""Attention products (Q K^T, P V) as a kind of plan target (``titan.plan.targets``)."""

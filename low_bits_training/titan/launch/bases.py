@@ -1,10 +1,11 @@
-"""Base configs of our own, for ``[job] base = "low_bits_training.titan.bases:<name>"``: the one registry of
-them (``__all__``; ``tests/titan/test_base_registry.py`` holds every preset that names one of ours to it).
+"""Base configs of our own, for ``[job] base = "low_bits_training.titan.launch.bases:<name>"``: the one
+registry of them (``__all__``; ``tests/titan/test_base_registry.py`` holds every preset that names one of ours
+to it).
 
 torchtitan 0.3.0 ships config functions for the Llama 3 debug model, 8B, 70B and 405B; the 1B (Llama 3.2)
 flavor exists in its model registry but has no config function, so it is here. The Qwen3-MoE debug model
-(``qwen3_moe_tiny``) is built next to the MoE code that knows its experts (``titan/moe.py``) and registered
-here by import.
+(``qwen3_moe_tiny``) is built next to the MoE code that knows its experts (``titan/plan/moe.py``) and
+registered here by import.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.config_registry import llama3_8b
 from torchtitan.trainer import Trainer
 
-from low_bits_training.titan.moe import qwen3_moe_tiny
+from low_bits_training.titan.plan.moe import qwen3_moe_tiny
 
 __all__ = ["llama3_1b", "llama3_narrow", "llama3_tiny", "qwen3_moe_tiny"]
-"""Every base of ours, by the name ``[job] base`` gives after ``low_bits_training.titan.bases:``."""
+"""Every base of ours, by the name ``[job] base`` gives after ``low_bits_training.titan.launch.bases:``."""
 
 
 def llama3_1b() -> Trainer.Config:
@@ -50,7 +51,7 @@ def llama3_narrow() -> Trainer.Config:
     from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    from low_bits_training.titan.compat import llama3_builders
+    from low_bits_training.titan.platform.compat import llama3_builders
 
     config = llama3_debugmodel()
     model = config.model_spec.model

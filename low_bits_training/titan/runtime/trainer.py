@@ -8,18 +8,19 @@ import torch
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.job import JobConfig
+from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.config.plan import QuantizeConfig
+from low_bits_training.config.profiling import ProfilingConfig
 from low_bits_training.config.secrets import redact
 from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
-from low_bits_training.titan.checkpoint import fingerprint
-from low_bits_training.titan.comm import log_comm_bytes
-from low_bits_training.titan.delayed import install as install_amax_group
-from low_bits_training.titan.numerics import NumericsConfig, extras_for
-from low_bits_training.titan.profiling import ProfilingConfig
-from low_bits_training.titan.ranks import rank
-from low_bits_training.titan.schedule import install as install_schedule
-from low_bits_training.titan.targets import live, run_of
+from low_bits_training.titan.plan.comm import log_comm_bytes
+from low_bits_training.titan.plan.delayed import install as install_amax_group
+from low_bits_training.titan.plan.schedule import install as install_schedule
+from low_bits_training.titan.plan.targets import live, run_of
+from low_bits_training.titan.platform.ranks import rank
+from low_bits_training.titan.runtime.checkpoint import fingerprint
+from low_bits_training.titan.runtime.numerics import extras_for
 
 
 def step_seed(base: int, step: int) -> int:
@@ -44,9 +45,10 @@ class LowBitsTrainer(Trainer):
         self._microbatch = 0
         for fqn, target in live(self.model_parts):  # each target rounds with its own random bits
             target.set_name(fqn)
-        # [[quantize.phases]], [quantize.eval]: titan/schedule.py, from the run resolved in build_config
+        # [[quantize.phases]], [quantize.eval]: titan/plan/schedule.py, from the run resolved in build_config
         self._lbt_schedule = install_schedule(self, run_of(config))
-        install_amax_group(self)  # delayed scaling: one amax history on every data rank (titan/delayed.py)
+        # delayed scaling: one amax history on every data rank (titan/plan/delayed.py)
+        install_amax_group(self)
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -66,7 +68,7 @@ class LowBitsTrainer(Trainer):
             return redact(Trainer.Config.to_dict(self))
 
     def train_step(self, data_iterator):
-        """torchtitan's step between the numerics / profiling bookkeeping (see titan/numerics).
+        """torchtitan's step between the numerics / profiling bookkeeping (see titan/runtime/numerics).
 
         The global RNG (dropout, if a model has any) is reseeded from (base seed, step) first, and every
         microbatch sets the quantized layers' stochastic-rounding key from (base seed, step, microbatch,
@@ -78,7 +80,7 @@ class LowBitsTrainer(Trainer):
         self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
         with extras_for(self).step(self.step):
             super().train_step(data_iterator)
-        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/comm.py)
+        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM

@@ -32,8 +32,8 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from low_bits_training.config.exits import CheckpointError  # its exit code: config/exits.py
-from low_bits_training.titan.compat import CheckpointHooks, checkpoint_path, find_load_step
-from low_bits_training.titan.ranks import is_rank0
+from low_bits_training.titan.platform.compat import CheckpointHooks, checkpoint_path, find_load_step
+from low_bits_training.titan.platform.ranks import is_rank0
 
 MANIFEST = "lbt_manifest.json"
 

@@ -31,7 +31,7 @@ from torchtitan.tools.logging import logger
 from low_bits_training.config.backends import TorchaoOptions, detect_hardware, mxfp8_dim1_kernel
 from low_bits_training.nn import LinearPlan, torchao_modules
 from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_recipe
-from low_bits_training.titan.compat import guard_fp8_stores
+from low_bits_training.titan.platform.compat import guard_fp8_stores
 
 
 def float8_config(recipe: TorchaoRecipe, opts: TorchaoOptions, emulate: bool):
@@ -232,7 +232,7 @@ def _is_fp8_all_gather_weight(module: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from low_bits_training.titan.compat import dtensor_local_tensor
+    from low_bits_training.titan.platform.compat import dtensor_local_tensor
 
     w = getattr(module, "weight", None)
     return isinstance(w, DTensor) and isinstance(dtensor_local_tensor(w), WeightWithDynamicFloat8CastTensor)

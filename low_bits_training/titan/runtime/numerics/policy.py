@@ -39,7 +39,7 @@ class TrainerExtras:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Around one training step: probes on/off, then reduce + log the statistics; the profiling extras."""
-        from low_bits_training.titan.profiling import step_context
+        from low_bits_training.titan.runtime.profiling import step_context
 
         self.monitor.begin_step(step)
         with step_context(self.trainer.config.profiling, self.trainer.config.dump_folder, step):

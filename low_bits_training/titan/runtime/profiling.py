@@ -15,34 +15,17 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Annotated, ClassVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.section import AtLeast, Section
-from low_bits_training.titan.compat import memory_categories, profiler_running
-from low_bits_training.titan.ranks import rank
+from low_bits_training.config.profiling import ProfilingConfig
+from low_bits_training.titan.platform.compat import memory_categories, profiler_running
+from low_bits_training.titan.platform.ranks import rank
 
 FLOPS_DIR = "profiling/flops"
 TIMELINE_DIR = "profiling/memory_timeline"
-
-
-@dataclass(kw_only=True, slots=True)
-class ProfilingConfig(Section):
-    """``[profiling]``: one-step FLOP table and memory timeline (see docs/profiling.md)."""
-
-    SECTION: ClassVar[str] = "profiling"
-
-    flop_table_step: Annotated[int, AtLeast(0, "0: off")] = 0
-    """Count FLOPs per module during this step (0: off); writes profiling/flops/step_<N>_rank<r>.txt/.json."""
-    flop_table_depth: Annotated[int, AtLeast(1)] = 3
-    """Module depth of the FLOP table (1: the model only, 3: ``layers.<i>.<block>``)."""
-    memory_timeline_step: Annotated[int, AtLeast(0, "0: off")] = 0
-    """Record this step's allocations and write profiling/memory_timeline/step_<N>_rank<r>.html/.json
-    (0: off). Pick a step outside the ``[profiler]`` trace window: two profilers cannot run at once."""
 
 
 def _path(folder: str, sub: str, step: int, ext: str) -> str:
@@ -78,7 +61,8 @@ def _sdpa_cpu_backward(grad_out, query, key, value, *args, out_shape=None, **kwa
 
 
 # FlopCounterMode counts the CUDA attention kernels and FlexAttention but not SDPA's CPU kernel, which the
-# CPU attention (titan/cpu.py, adapter 2) and any CPU SDPA run: without these the table leaves attention out.
+# CPU attention (titan/platform/cpu.py, adapter 2) and any CPU SDPA run: without these the table leaves
+# attention out.
 ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,

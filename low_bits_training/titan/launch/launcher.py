@@ -1,12 +1,12 @@
 """The launcher: torchrun with the whole config checked first, and one line and a meaningful exit code last.
 
-    python -m low_bits_training.titan.launcher [torchrun options] -- [training arguments]
-    python -m low_bits_training.titan.launcher --check-only [torchrun options] -- [training arguments]
+    python -m low_bits_training.titan.launch.launcher [torchrun options] -- [training arguments]
+    python -m low_bits_training.titan.launch.launcher --check-only [torchrun options] -- [training arguments]
 
 ``run_llama_train.sh``, ``scripts/slurm/train.sbatch`` and ``lbt-sweep`` / ``lbt-scaling`` start training
 through it. In this process, before any rank starts:
 
-- the config is resolved exactly as each rank will resolve it (``launch.build_config``) and checked as a whole
+- the config is resolved exactly as each rank will resolve it (``worker.build_config``) and checked as a whole
   (``validate.check_run``: value ranges, parallel degrees against NGPU x nodes, the model's own checks, the
   checkpoint it would resume from), and several ranks without a visible accelerator are refused where GPUs
   were meant (``accelerator_refusal``). Bad input is one line, exit code 2 (4 for a checkpoint), no
@@ -35,10 +35,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from low_bits_training.config.exits import ENDINGS, SIGNAL_BASE, ExitCode, classify
-from low_bits_training.titan import noise
-from low_bits_training.titan.launch import UNDER_LAUNCHER
+from low_bits_training.titan.launch.worker import UNDER_LAUNCHER
+from low_bits_training.titan.platform import noise
 
-WORKER = "low_bits_training.titan.launch"
+WORKER = "low_bits_training.titan.launch.worker"
 CPU_RANKS_PARAMS = 1_000_000_000
 """The largest model (parameters) started as several CPU ranks without a word: the debug models (6M) and
 small research models train that way (README); an 8B model on 8 gloo ranks is a GPU node gone wrong."""
@@ -141,7 +141,7 @@ def check_accelerator(config, processes: int) -> None:
     import torch
 
     from low_bits_training.config.tree import ConfigError
-    from low_bits_training.titan import cpu
+    from low_bits_training.titan.platform import cpu
 
     if processes <= 1 or not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
         return
@@ -173,12 +173,12 @@ def check(training: list[str], processes: int):
     Raises:
         ConfigError, CheckpointError: one line each; ``SystemExit`` for ``--help`` (tyro prints it).
     """
-    from low_bits_training.titan import cpu
+    from low_bits_training.titan.platform import cpu
 
     if cpu.needs_cpu_adapters():
         cpu.install_device_module()
-    from low_bits_training.titan.launch import build_config
-    from low_bits_training.titan.validate import check_run
+    from low_bits_training.titan.launch.validate import check_run
+    from low_bits_training.titan.launch.worker import build_config
 
     with quiet():
         config = build_config(training)
@@ -209,7 +209,7 @@ def show_the_loss(args, config, processes: int) -> str | None:
     """
     from torch.distributed.run import determine_local_world_size
 
-    from low_bits_training.titan.compat import metrics_rank
+    from low_bits_training.titan.platform.compat import metrics_rank
 
     p = config.parallelism
     if p.pipeline_parallel_degree <= 1 or not args.local_ranks_filter:  # no filter: every rank is shown
@@ -291,7 +291,7 @@ def run_torchrun(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Check the config, then run torchrun; returns the exit code (``config/exits.py``: 0, 2 config, 3
     non-finite stop, 4 checkpoint, 1 crash, 128 + N for signal N)."""
-    noise.install()  # upstream lines no user can act on (titan/noise.py)
+    noise.install()  # upstream lines no user can act on (titan/platform/noise.py)
     options, training = split_argv(sys.argv[1:] if argv is None else argv)
     check_only = CHECK_ONLY in options
     args = torchrun_args([o for o in options if o != CHECK_ONLY], training)

@@ -17,16 +17,16 @@ import os
 import torch
 import torch.distributed as dist
 
+from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.nn import ROLE_NAMES, ProbeMode, probe
 from low_bits_training.nn.probe import FLAG_SLOTS
 from low_bits_training.nn.state import live_targets
 from low_bits_training.numerics import NonFinite, identity, reduce_ops
 from low_bits_training.numerics.records import NUMERICS_FILE, headline_metrics, rows
 from low_bits_training.numerics.whatif import whatif_headlines
-from low_bits_training.titan.ranks import is_rank0, rank
+from low_bits_training.titan.platform.ranks import is_rank0, rank
 
 from . import whatif
-from .config import NumericsConfig
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _FORWARD_SLOTS = [i for i, s in enumerate(FLAG_SLOTS) if s.startswith("forward.")]
@@ -82,7 +82,8 @@ class NumericsMonitor:
         self.layers = live_targets(model_parts)
         self.params = [(n, p) for m in model_parts for n, p in m.named_parameters()]
         self.active = bool(config.stats_freq) or config.nonfinite != "off"
-        self.whatif = whatif.attach(self.layers, config)  # [numerics] whatif: titan/numerics/whatif.py
+        # [numerics] whatif: titan/runtime/numerics/whatif.py
+        self.whatif = whatif.attach(self.layers, config)
 
     def close(self) -> None:
         """Switch the layers' probes off again."""
@@ -178,6 +179,6 @@ def layer_probes_work(pipeline_degree: int, compiled: bool) -> bool:
     A compiled block saves the probe tensors for its backward; a pipeline schedule runs the next
     microbatch's forward (which writes them) before this one's backward, and autograd refuses the saved
     tensor's new version. There the non-finite policy checks the loss and the gradients only, and
-    statistics are refused before the run (``titan.validate.check_numerics``).
+    statistics are refused before the run (``titan.launch.validate.check_numerics``).
     """
     return not (pipeline_degree > 1 and compiled)

@@ -3,10 +3,10 @@
 The resolved ``config.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
-  change every target whose kind can switch (``titan.target.TargetKind.switchable``: the linear layers) gets
-  its plan for the new phase (the same ``LinearPlan`` objects each time).
+  change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: the linear layers)
+  gets its plan for the new phase (the same ``LinearPlan`` objects each time).
   A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
-  QuantLinear (``titan.quantize``), so parameters and state_dict keys never change.
+  QuantLinear (``titan.plan.quantize``), so parameters and state_dict keys never change.
 - ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when
   given) with the probes off, then the training plan comes back.
 - ``raise_recompile_limit``: the plan is a graph constant, so each distinct transformer-block plan compiles
@@ -126,7 +126,7 @@ def install(trainer, run) -> PrecisionSchedule:
 
     Args:
         trainer: the built trainer.
-        run: its resolved run (``titan.targets.run_of``): the schedule and which entries can switch.
+        run: its resolved run (``titan.plan.targets.run_of``): the schedule and which entries can switch.
 
     Returns:
         The ``PrecisionSchedule`` whose ``begin_step`` the trainer calls before every step.

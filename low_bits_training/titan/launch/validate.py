@@ -152,7 +152,7 @@ def check_sequence(config: Any, layout: Layout) -> None:
 
 def check_comm(config: Any, layout: Layout) -> None:
     """``[quantize.comm]`` against the resolved degrees (its formats and the other degrees were checked when
-    the config was built, ``titan.comm.apply_comm``).
+    the config was built, ``titan.plan.comm.apply_comm``).
 
     Raises:
         ConfigError: low-bit collectives without FSDP2 sharding (``config.comm.check_shard_degree``).
@@ -166,12 +166,12 @@ def check_comm(config: Any, layout: Layout) -> None:
 
 def check_numerics(config: Any, layout: Layout) -> None:
     """Per-layer statistics need the layers' probes, which do not run under PP with torch.compile
-    (``titan.numerics.monitor.layer_probes_work``).
+    (``titan.runtime.numerics.monitor.layer_probes_work``).
 
     Raises:
         ConfigError: ``[numerics] stats_freq`` or ``whatif`` with ``pipeline_parallel_degree > 1`` and compile.
     """
-    from low_bits_training.titan.numerics.monitor import layer_probes_work
+    from low_bits_training.titan.runtime.numerics.monitor import layer_probes_work
 
     numerics = getattr(config, "numerics", None)
     if numerics is None or layer_probes_work(layout.pp, config.compile.enable):
@@ -205,7 +205,7 @@ def model_as_trained(config: Any) -> Any:
 def trained_fingerprint(config: Any, model: Any) -> dict[str, Any] | None:
     """The fingerprint the trainer will give its checkpoints (``checkpoint.fingerprint`` of the config with
     the model config as trained)."""
-    from low_bits_training.titan.checkpoint import fingerprint
+    from low_bits_training.titan.runtime.checkpoint import fingerprint
 
     if model is None:
         return None
@@ -220,7 +220,7 @@ def check_run(config: Any, world_size: int) -> str | None:
     """Everything above, then the checkpoint the run would resume from (``checkpoint.preflight``).
 
     Args:
-        config: the resolved config (``launch.build_config``).
+        config: the resolved config (``worker.build_config``).
         world_size: processes of the run (NGPU x nodes).
 
     Returns:
@@ -230,7 +230,7 @@ def check_run(config: Any, world_size: int) -> str | None:
         ConfigError: a value out of range, degrees that do not fit the processes, a model check.
         CheckpointError: a checkpoint the run could not resume.
     """
-    from low_bits_training.titan.checkpoint import preflight
+    from low_bits_training.titan.runtime.checkpoint import preflight
 
     check_ranges(config)
     layout = parallel_layout(config, world_size)

@@ -37,10 +37,10 @@ from low_bits_training.config.tree import (
     named_choices,
     public_fields,
 )
-from low_bits_training.titan.checkpoint import LowBitsCheckpointManager
-from low_bits_training.titan.compat import config_function, config_manager
-from low_bits_training.titan.metrics import LowBitsMetricsProcessor
-from low_bits_training.titan.trainer import LowBitsTrainer
+from low_bits_training.titan.platform.compat import config_function, config_manager
+from low_bits_training.titan.runtime.checkpoint import LowBitsCheckpointManager
+from low_bits_training.titan.runtime.metrics import LowBitsMetricsProcessor
+from low_bits_training.titan.runtime.trainer import LowBitsTrainer
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
@@ -411,5 +411,6 @@ def _pop_untomlable(d: dict[str, Any], where: str = "") -> list[str]:
     return lost
 
 
-if __name__ == "__main__":  # python -m low_bits_training.titan.configure x.toml [flags]: print the result
+# python -m low_bits_training.titan.launch.configure x.toml [flags]: print the result
+if __name__ == "__main__":
     print(json.dumps(load_config(sys.argv[1], sys.argv[2:]).to_dict(), indent=2, default=repr))
