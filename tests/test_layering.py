@@ -5,7 +5,8 @@ The arrow (README, "Layers"):
 
     formats <- numerics <- nn <- {optim, config} <- {titan, speed} <- report <- cli     data/ beside formats
 
-Each layer may import the layers listed for it in ``MAY_IMPORT`` (and its own modules); nothing else. The
+Each layer may import the layers listed for it in ``MAY_IMPORT`` (and its own modules); nothing else. Inside
+titan the rooms go by lifecycle, ``platform <- plan <- runtime <- launch`` (``TITAN_ROOMS``). The
 checker is held to a small made-up package too: an arrow against the table or a circle fails it.
 """
 
@@ -34,6 +35,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "": set(),  # low_bits_training/__init__.py
 }
 """Layer (top folder of the package) -> the other layers its modules may import."""
+
+TITAN_ROOMS = ["platform", "plan", "runtime", "launch"]
+"""titan/'s rooms by lifecycle (titan/__init__.py): each imports only the rooms before it in this list."""
 
 KNOWN_CIRCLES: list[set[str]] = [
     # Empty, and meant to stay so. A circle that cannot be broken in the change that found it goes here, with
@@ -80,6 +84,23 @@ def layer(module: str) -> str:
     """The top folder of a package module (``low_bits_training.nn.roles`` -> ``nn``; the package: ``""``)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def room(module: str) -> str | None:
+    """The room of a titan module (``low_bits_training.titan.plan.moe`` -> ``plan``); None outside titan."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "titan" else None
+
+
+def against_the_rooms(graph: dict[str, set[str]], rooms: list[str]) -> list[str]:
+    """Every import of a later room of titan (``rooms``' order) by an earlier one, as ``a -> b`` lines."""
+    order = {r: i for i, r in enumerate(rooms)}
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if room(a) and room(b) and order.get(room(b), -1) > order.get(room(a), len(rooms))
+    )
 
 
 def against_the_arrow(graph: dict[str, set[str]], may_import: dict[str, set[str]]) -> list[str]:
@@ -131,6 +152,20 @@ def test_imports_go_along_the_arrow():
 
 def test_every_layer_is_placed():
     assert {layer(m) for m in imports(PACKAGE)} <= set(MAY_IMPORT)
+
+
+def test_titan_rooms_go_by_lifecycle():
+    graph = imports(PACKAGE)
+    assert {room(m) for m in graph} - {None} == set(TITAN_ROOMS)
+    assert against_the_rooms(graph, TITAN_ROOMS) == []
+
+
+def test_the_rooms_check_fails_an_import_of_a_later_room():
+    graph = {"low_bits_training.titan.plan.a": {"low_bits_training.titan.runtime.b", "low_bits_training.nn"}}
+    assert against_the_rooms(graph, TITAN_ROOMS) == [
+        "low_bits_training.titan.plan.a -> low_bits_training.titan.runtime.b"
+    ]
+    assert against_the_rooms(graph, ["platform", "runtime", "plan", "launch"]) == []
 
 
 def test_no_import_circle():
