@@ -102,8 +102,8 @@ def test_padding_dispatcher_matches_torchao_indices():
         ),
         ("mxfp8", "emulate", "sm100", ("emulate", "QuantGroupedExperts")),
         ("fp8_rowwise", "auto", "sm90", ("torchao", "torchao Float8GroupedExperts (rowwise)")),
-        ("fp8_rowwise", "torchao", "cpu", ("emulate", "QuantGroupedExperts")),  # torchao has no emulated mode
-        ("fp8_tensorwise", "torchao", "sm100", ("emulate", "QuantGroupedExperts")),  # no grouped tensorwise
+        ("fp8_rowwise", "torchao", "cpu", None),  # torchao has no emulated mode: refused (experts only here)
+        ("fp8_tensorwise", "torchao", "sm100", None),  # no grouped tensorwise: refused
     ],
 )
 def test_expert_backend_follows_torchao_grouped_recipes(recipe, backend, hardware, expect):
@@ -112,6 +112,10 @@ def test_expert_backend_follows_torchao_grouped_recipes(recipe, backend, hardwar
     from low_bits_training.titan.plan.moe import grouped_module_label
 
     cfg = QuantizeConfig(recipe=recipe, backend=backend, skip=[])
+    if expect is None:  # backend = "torchao" and torchao runs none of the plan's layers: one line
+        with pytest.raises(ConfigError, match=r"^quantize.backend = 'torchao': torchao runs none .*emulated: "):
+            resolve_plan(cfg, _layers(), named(hardware))
+        return
     plans = resolve_plan(cfg, _layers(), named(hardware))
     for fqn, plan in plans.items():
         got = {gemm_backend(plan, g) for g in ("forward", "dgrad", "wgrad")}
@@ -123,9 +127,10 @@ def test_hp_wgrad_mxfp8_experts_have_no_torchao_emulation():
 
     rule = QuantRule(layers=["*"], roles=["wgrad.*"], format="high")
     cfg = QuantizeConfig(recipe="mxfp8", backend="torchao", skip=[], rules=[rule])
-    for hw, backend in (("cpu", "emulate"), ("sm100", "torchao")):
-        plans = resolve_plan(cfg, _layers(), named(hw))
-        assert {p.backends[0] for p in plans.values()} == {backend}, hw
+    plans = resolve_plan(cfg, _layers(), named("sm100"))
+    assert {p.backends[0] for p in plans.values()} == {"torchao"}
+    with pytest.raises(ConfigError, match=r"^quantize.backend = 'torchao': torchao runs none"):
+        resolve_plan(cfg, _layers(), named("cpu"))  # no emulated mode for it: every expert would fall back
 
 
 def test_torchao_emulated_grouped_mxfp8_computes_the_plan():
