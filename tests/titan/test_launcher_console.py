@@ -28,7 +28,10 @@ def _config(pp: int = 1, schedule: str = "1F1B", steps: int = 60):
     ],
 )
 def test_the_console_shows_the_rank_with_the_loss(monkeypatch, nproc, pp, schedule, log_rank, shown, env):
-    monkeypatch.delenv("LOG_RANK", raising=False)
+    # setenv first records the session's value (unset), so teardown also undoes what show_the_loss writes into
+    # os.environ; a bare delenv of an unset name records nothing (LOG_RANK=2 leaked: later 1-rank logs empty)
+    monkeypatch.setenv("LOG_RANK", "")
+    monkeypatch.delenv("LOG_RANK")
     if log_rank is not None:
         monkeypatch.setenv("LOG_RANK", log_rank)
     args = launcher.torchrun_args([f"--nproc_per_node={nproc}", "--local-ranks-filter", log_rank or "0"], [])
