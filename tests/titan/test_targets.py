@@ -120,15 +120,15 @@ def _stops_at(run, module: str, role: str, step: int = 2) -> None:
 NAN_ARGS = ("--override.imports", "tests.titan.nan_override.nan_embedding", "--numerics.nonfinite", "stop")
 
 
+EXPERT = (MOE, (), "layers.0.moe.routed_experts.inner_experts.w1", "forward.input")
+QK = (FP8_ATTENTION, ("--quantize.recipe", "bf16"), "layers.0.attention.qk", "forward.input")
+
+
 @pytest.mark.parametrize(
-    "config,args,module,role",
-    [
-        (MOE, (), "layers.0.moe.routed_experts.inner_experts.w1", "forward.input"),
-        (FP8_ATTENTION, ("--quantize.recipe", "bf16"), "layers.0.attention.qk", "forward.input"),
-    ],
-    ids=["expert", "qk"],
+    "config,args,module,role,compiled,nproc",
+    [(*EXPERT, False, 1), (*QK, False, 1), (*EXPERT, True, 2)],  # compiled on 2 ranks: one kind (3 min)
+    ids=["expert-eager-1rank", "qk-eager-1rank", "expert-compiled-2ranks"],
 )
-@pytest.mark.parametrize("compiled,nproc", [(False, 1), (True, 2)], ids=["eager-1rank", "compiled-2ranks"])
 def test_a_nan_in_an_expert_or_in_qk_is_named_and_stops(
     tmp_path, config, args, module, role, compiled, nproc
 ):
