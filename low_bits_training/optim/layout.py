@@ -52,14 +52,26 @@ class KernelSpec:
         return keys[self.purposes.index(purpose)] if purpose in self.purposes else None
 
 
-def state_codec(p: torch.Tensor, spec: QuantSpec, min_numel: int) -> StateCodec:
-    """The codec of a state of ``p``: ``spec`` if every shard fits its layout, else fp32 (norms, biases)."""
+def fitted_codec(
+    spec: QuantSpec, shape: tuple[int, ...], local_shape: tuple[int, ...], min_numel: int
+) -> StateCodec:
+    """The codec of a state of a parameter of ``shape`` whose shard here is ``local_shape``, from shapes alone:
+    ``spec`` if both fit its layout, else fp32 (norms, biases, parameters under ``min_numel`` elements).
+    ``optim.budget`` counts bytes with it; ``state_codec`` adds the check that only a live DTensor can make."""
     c = StateCodec(spec)
     if c.native:
         return c
-    shape, lshape = tuple(p.shape), tuple(local(p).shape)
-    if p.numel() < min_numel or p.dim() < 2 or not (c.fits(shape) and c.fits(lshape)):
+    if math.prod(shape) < min_numel or len(shape) < 2 or not (c.fits(shape) and c.fits(local_shape)):
         return FP32
+    return c
+
+
+def state_codec(p: torch.Tensor, spec: QuantSpec, min_numel: int) -> StateCodec:
+    """The codec of a state of ``p``: ``spec`` if every shard fits its layout, else fp32 (norms, biases)."""
+    shape, lshape = tuple(p.shape), tuple(local(p).shape)
+    c = fitted_codec(spec, shape, lshape, min_numel)
+    if c.native:
+        return c
     glob, loc = c.part_shapes(shape), c.part_shapes(lshape)
     return c if all(shards_like(p, glob[k], loc[k]) for k in glob) else FP32
 
