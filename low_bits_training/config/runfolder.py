@@ -81,6 +81,13 @@ def read_metrics(folder: str | os.PathLike) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+STATE_BYTES_JSON = "state_bytes.json"
+"""Bytes per parameter of each training state, computed from the config and measured after the first
+optimizer step, summed over ranks (``titan/runtime/budget.py``)."""
+STATE_BYTES_METRIC = "memory/state_bytes_per_param"
+"""Metric prefix of the measured bytes per parameter: ``<prefix>/<state>``, ``<prefix>/total``, and the
+computed ``<prefix>/plan_total``; logged once, at a process's first step."""
+
 PLAN_TEXT = "precision_plan.txt"
 """The plan table of the run (one per phase with a schedule), as logged at the start
 (``titan/plan/targets.py``)."""

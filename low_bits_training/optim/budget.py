@@ -284,3 +284,21 @@ def live_bytes(params: Iterable[torch.Tensor], optimizer_states: Iterable[dict[s
             if torch.is_tensor(value):
                 add(state_name(key), value)
     return out
+
+
+def format_budget(plan: StateBytes, measured: StateBytes | None = None) -> str:
+    """An aligned text table: state, format(s), bytes per parameter computed (and measured), total last.
+
+    Args:
+        plan: the computed budget (``state_bytes``).
+        measured: the same run's live bytes (``live_bytes`` summed over ranks), or None.
+    """
+    head = ["state", "format", "B/param"] + (["measured"] if measured else [])
+    rows, got = [head], measured.per_param() if measured else {}
+    for state, value in plan.per_param().items():
+        fmt = "; ".join(plan.formats.get(state, []))
+        rows.append([state, fmt, f"{value:.3f}"] + ([f"{got.get(state, 0.0):.3f}"] if measured else []))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + f"\n({plan.numel:,} parameters)\n"

@@ -19,6 +19,7 @@ from low_bits_training.titan.plan.delayed import install as install_amax_group
 from low_bits_training.titan.plan.schedule import install as install_schedule
 from low_bits_training.titan.plan.targets import live, run_of
 from low_bits_training.titan.platform.ranks import rank
+from low_bits_training.titan.runtime import budget
 from low_bits_training.titan.runtime.checkpoint import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
 
@@ -81,6 +82,7 @@ class LowBitsTrainer(Trainer):
         with extras_for(self).step(self.step):
             super().train_step(data_iterator)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
+        budget.report(self)  # bytes per parameter of each training state, once (titan/runtime/budget.py)
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM
