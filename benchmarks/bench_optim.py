@@ -79,21 +79,12 @@ def _rss_mib() -> float:
 
 
 def _state_bytes(opt) -> int:
-    """Bytes of this rank's optimizer-state tensors except the step counters (subclasses: their parts)."""
-    import torch
-    from torch.distributed.tensor import DTensor
+    """Bytes of this rank's optimizer-state tensors except the step counters (``optim.budget.live_bytes``:
+    subclasses by their parts, each storage once)."""
+    from low_bits_training.optim.budget import live_bytes
 
-    def nbytes(t) -> int:
-        if isinstance(t, DTensor):
-            return nbytes(t.to_local())
-        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
-            names, _ = t.__tensor_flatten__()
-            return sum(nbytes(getattr(t, n)) for n in names)
-        return t.untyped_storage().nbytes() if t.dim() else 0
-
-    return sum(
-        nbytes(v) for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"
-    )
+    held = live_bytes([], opt.state.values()).nbytes
+    return sum(b for state, b in held.items() if state != "step")
 
 
 def _params(quick: bool, ranks: int):

@@ -118,7 +118,8 @@ def codec_bytes(codec: StateCodec, shape: tuple[int, ...]) -> int:
 
 
 def codec_label(codec: StateCodec) -> str:
-    """``int8_block128: uint8 codes + fp32 scales/128`` or ``fp32``."""
+    """``int8 codes + fp32 scale/128`` (``int8_block128``), ``e2m1 codes (2 a byte) + e8m0 scale/32``, or a
+    native format's name (``fp32``)."""
     spec = codec.spec
     if codec.native:
         return spec.format
@@ -136,6 +137,10 @@ def _torch_adam(group, shape, locals_, sh, out) -> None:
     names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
     for name in names:
         out.add(name, sum(math.prod(s) for s in locals_) * dtype.itemsize * sh.replicas, dtype_name(dtype))
+
+
+OPTIONS = {"LowBitAdamW": AdamWOptions, "LowBitSGD": SGDOptions}
+"""Our optimizers' option classes (their state formats and master-weight format)."""
 
 
 def _lowbit(opts_cls) -> StateModel:
@@ -171,25 +176,20 @@ class TorchaoState:
                 n = math.prod(lshape)
                 if n >= 4096 and n % self.block == 0:  # torchao quantizes these (bitsandbytes' rule)
                     b, fmt = n * self.bits // 8 + n // self.block * 4 + self.qmap * 4, self.label
-                else:
-                    b, fmt = n * 4, "fp32"
+                else:  # zeros_like the parameter
+                    b, fmt = n * sh.param_dtype.itemsize, dtype_name(sh.param_dtype)
                 out.add(name, b * sh.replicas, fmt)
 
 
 STATE_MODELS: dict[str, StateModel] = {
     "Adam": _torch_adam,
     "AdamW": _torch_adam,
-    "LowBitAdamW": _lowbit(AdamWOptions),
-    "LowBitSGD": _lowbit(SGDOptions),
+    **{name: _lowbit(cls) for name, cls in OPTIONS.items()},
     "AdamW8bit": TorchaoState(8, 256, 256, "torchao 8-bit codes + fp32 scale/256 + 256-entry table"),
     "AdamW4bit": TorchaoState(4, 128, 16, "torchao 4-bit codes (2 a byte) + fp32 scale/128 + 16-entry table"),
     "AdamWFp8": TorchaoState(8, 256, 0, "torchao e4m3 codes + fp32 scale/256"),
 }
 """Optimizer name (``optimizer_name``) -> how it lays out its states."""
-
-
-OPTIONS = {"LowBitAdamW": AdamWOptions, "LowBitSGD": SGDOptions}
-"""Our optimizers' option classes: the master-weight format of a group."""
 
 
 def master_label(group: dict[str, Any], optimizer: str, param_dtype: torch.dtype) -> str:

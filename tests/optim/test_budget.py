@@ -49,13 +49,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("name", "group"), CASES, ids=lambda c: c if isinstance(c, str) else "")
-def test_computed_bytes_equal_the_live_tensors_after_a_step(name, group):
-    model = _model()
+def test_computed_bytes_equal_the_live_tensors_after_a_step(name, group, dtype):
+    model = _model().to(dtype)
     factory = {"AdamW": torch.optim.AdamW, "LowBitAdamW": LowBitAdamW, "LowBitSGD": LowBitSGD}[name]
     opt = factory(model.parameters(), **group)
     _stepped(model, opt)
-    computed, measured = _computed(model, name, group), _measured(model, opt)
+    computed, measured = _computed(model, name, group, Sharding(param_dtype=dtype)), _measured(model, opt)
     assert computed.numel == measured.numel == 256 * 512 + 100 * 64 + 2 * 256
     assert computed.nbytes == measured.nbytes  # to the byte, every state
 
@@ -79,17 +80,21 @@ def test_fsdp_shards_pad_params_and_grads_only():
     assert two.nbytes["step"] == 2 * one.nbytes["step"] == 8
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
-def test_torchao_states_match_their_layout(name):
+def test_torchao_states_match_their_layout(name, dtype):
     import torchao.optim
 
-    model = _model()
+    model = _model().to(dtype)
     opt = getattr(torchao.optim, name)(model.parameters(), lr=1e-3)
     for p in model.parameters():  # the states torchao's first step makes (its step compiles: seconds)
         opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": opt._new_buffer(p, True)}
         opt.state[p]["exp_avg_sq"] = opt._new_buffer(p, False)
     sum((p**2).sum() for p in model.parameters()).backward()
-    assert _computed(model, name, {"lr": 1e-3}).nbytes == _measured(model, opt).nbytes
+    assert (
+        _computed(model, name, {"lr": 1e-3}, Sharding(param_dtype=dtype)).nbytes
+        == _measured(model, opt).nbytes
+    )
 
 
 def test_an_optimizer_without_a_byte_model_is_named():
