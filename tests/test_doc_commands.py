@@ -129,6 +129,14 @@ COVERED: dict[str, str] = {
     "./run_tests.sh tests/formats -q": "the runner of this very test (tests/formats is part of every run)",
     "./run_llama_train.sh --training.steps 4": "test_doc_commands.py::test_readme_training_rerun_and_report",
     "NGPU=2 ./run_llama_train.sh --parallelism.data_parallel_shard_degree 2": SMOKE,
+    # memory.md
+    "lbt-doctor --config-file train_configs/optim/lowbit_adamw_int8.toml": (
+        "tests/cli/test_doctor.py::test_state_bytes_row_and_checkpoint_estimate_follow_the_optimizer"
+    ),
+    "CONFIG_FILE=train_configs/optim/lowbit_adamw_int8.toml NGPU=2 ./run_llama_train.sh "
+    "--parallelism.data_parallel_shard_degree 2 --training.steps 1 --checkpoint.no-enable": (
+        "tests/titan/test_budget_train.py::test_state_bytes_computed_equal_measured"
+    ),
     "NGPU=2 ./run_llama_train.sh --parallelism.tensor_parallel_degree 2": SMOKE,
     "CONFIG_FILE=train_configs/recipes/debug_fsdp_lowbit_comm.toml NGPU=2 ./run_llama_train.sh": (
         "tests/titan/test_comm_train.py::test_two_fsdp_ranks_train_with_fp8_all_gather_and_sr_reduce_scatter"

@@ -244,35 +244,49 @@ def check_tokenizer(config: Any) -> Check:
     return Check("tokenizer", "OK", str(found))
 
 
-def param_count(config: Any) -> int | None:
-    """Parameters of the configured model, built on the meta device (no memory); None if that fails."""
-    import torch
+def state_budget(config: Any, env: dict[str, str]) -> tuple[Any, str | None]:
+    """The run's training-state bytes computed from its config (``titan.runtime.budget.planned``: model and
+    optimizers built on the meta device, ``NGPU`` processes), or None and why not."""
+    from low_bits_training.titan.runtime.budget import planned
 
     try:
-        with torch.device("meta"):
-            model = config.model_spec.model.build()
-        return sum(p.numel() for p in model.parameters())
-    except Exception:  # any model we cannot build cheaply: fall back to a threshold
-        return None
+        return planned(config, _processes(env)), None
+    except ValueError as e:  # an optimizer without a byte model
+        return None, str(e)
 
 
-def checkpoint_bytes(config: Any, params: int | None) -> int | None:
-    """Disk for the kept checkpoints: fp32 weights + two AdamW states (12 bytes/param) per checkpoint."""
-    if params is None:
+def check_state_bytes(budget: Any, why: str | None) -> Check:
+    """Bytes per parameter of each training state (params, grads, each optimizer state) and their formats."""
+    if budget is None:
+        return Check("state bytes", "WARN", f"not computed: {why}", "see docs/memory.md")
+    per = budget.per_param()
+    parts = ", ".join(
+        f"{s} {v:.2f} ({'; '.join(budget.formats[s])})" for s, v in per.items() if s not in ("total", "step")
+    )
+    total = sum(budget.nbytes.values())
+    head = f"{per['total']:.2f} B/param x {budget.numel / 1e6:.2f} M params = {total / 2**30:.2f} GiB on all ranks"
+    return Check("state bytes", "OK", f"{head}: {parts}")
+
+
+def checkpoint_bytes(config: Any, budget: Any) -> int | None:
+    """Disk for the kept checkpoints: the parameters and optimizer states of ``budget`` (all but the
+    gradients) per checkpoint."""
+    if budget is None:
         return None
     ck = config.checkpoint
     count = config.training.steps // max(ck.interval, 1) + 1
     if ck.keep_latest_k > 0:
         count = min(count, ck.keep_latest_k)
-    return 12 * params * max(count, 1)
+    saved = sum(b for s, b in budget.nbytes.items() if s != "grads")
+    return saved * max(count, 1)
 
 
-def check_checkpoint_disk(config: Any) -> Check:
+def check_checkpoint_disk(config: Any, budget: Any) -> Check:
     """Free space where checkpoints go against what the kept checkpoints need."""
     if not config.checkpoint.enable:
         return Check("disk", "OK", "checkpointing off (a killed run cannot resume)")
     folder = Path(config.dump_folder) / config.checkpoint.folder
-    return check_disk(folder, checkpoint_bytes(config, param_count(config)))
+    return check_disk(folder, checkpoint_bytes(config, budget))
 
 
 def _recipe_check(config: Any, hw: Hardware, recipe: str) -> Check:
@@ -300,7 +314,9 @@ def config_checks(
         return [status], False
     checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), check_compile(config, hw)]
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
+    budget, why = state_budget(config, env)
+    checks.append(check_state_bytes(budget, why))
     if status.status == "OK":  # else the config row says the tokenizer is missing; data is the stand-in's
         checks += [check_tokenizer(config), check_dataset(config, env)]
-    checks.append(check_checkpoint_disk(config))
+    checks.append(check_checkpoint_disk(config, budget))
     return checks, bool(config.metrics.enable_wandb)

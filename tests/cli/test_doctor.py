@@ -121,12 +121,17 @@ def test_doctor_on_debug_config(clean_env, capsys):
         "recipe fp8_rowwise": "WARN",  # CPU: emulated
         "recipe mxfp8": "WARN",
         "tokenizer": "OK",
+        "state bytes": "OK",
         "dataset": "OK",
         "disk": "OK",
     }
     assert rows["backends"].detail == "on CPU: 31 x Linear [high]"
+    assert rows["state bytes"].detail.startswith("16.00 B/param x 6.16 M params = 0.09 GiB on all ranks: ")
+    assert "exp_avg 4.00 (fp32), exp_avg_sq 4.00 (fp32)" in rows["state bytes"].detail
     assert rows["recipe mxfp8"].detail == "on CPU: 1 x Linear [high]; 30 x QuantLinear [emulate]"
-    assert "checkpoints need ~0." in rows["disk"].detail  # 6.2M params x 12 B x 3 kept checkpoints
+    assert (
+        "checkpoints need ~0.21 GiB" in rows["disk"].detail
+    )  # 6.16M params x 12 B (params + moments) x 3 kept
     assert doctor.main(["--config-file", "train_configs/debug_model.toml"]) == 0
     out = capsys.readouterr().out
     assert "| cuda " in out and "0 FAIL" in out
@@ -369,3 +374,51 @@ def test_every_layer_that_falls_back_says_why_in_doctor_and_the_plan_table(clean
         f"  {names(1)}: torchao emulated: MXFP8Linear kernels need CUDA SM100+, this is CPU\n"
         f"  {names('2-5')}: torchao emulated: Float8Linear kernels need CUDA SM89+, this is CPU\n"
     )
+
+
+LOWBIT = "train_configs/optim/lowbit_adamw_int8.toml"
+DEFAULT = "train_configs/debug_model.toml"
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "head", "moments", "checkpoints"),
+    [
+        # LowBitAdamW's int8 / e4m3 block-128 moments: 1 + 4/128 bytes each (norm weights keep fp32 ones); a
+        # checkpoint holds params + moments: 6.07 B/param x 6.16 M x 3 kept = 0.10 GiB (fp32 AdamW: 0.21)
+        (
+            LOWBIT,
+            [],
+            "10.07 B/param x 6.16 M params",
+            "exp_avg 1.03 (int8 codes + fp32 scale/128; fp32)",
+            0.10,
+        ),
+        (
+            LOWBIT,
+            ["--training.dtype", "bfloat16"],
+            "6.07 B/param",
+            "params 2.00 (bf16), grads 2.00 (bf16)",
+            0.07,
+        ),
+        (
+            DEFAULT,
+            ["--training.dtype", "bfloat16"],
+            "8.00 B/param",
+            "exp_avg 2.00 (bf16), exp_avg_sq 2.00",
+            0.10,
+        ),
+        (
+            DEFAULT,
+            ["--optimizer.implementation", "fused_opt_states_bf16"],
+            "12.00 B/param",
+            "grads 4.00 (fp32), exp_avg 2.00 (bf16), exp_avg_sq 2.00 (bf16)",
+            0.14,
+        ),
+    ],
+)
+def test_state_bytes_row_and_checkpoint_estimate_follow_the_optimizer(
+    clean_env, config, args, head, moments, checkpoints
+):
+    rows = by_name(doctor.run_checks(config, args, {"NGPU": "1"}))
+    detail = rows["state bytes"].detail
+    assert rows["state bytes"].status == "OK" and detail.startswith(head) and moments in detail
+    assert f"checkpoints need ~{checkpoints:.2f} GiB" in rows["disk"].detail

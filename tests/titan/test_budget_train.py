@@ -1,7 +1,7 @@
 """End to end: a run's training-state bytes, computed from its config (titan/runtime/budget.py ``planned``), equal
 the bytes its live tensors hold after the first step (``measured``, summed over ranks), state by state, for the
 default debug model (torch AdamW, fp32 states) and the LowBitAdamW preset (int8 / e4m3 block-128 states), on 1
-rank and on 2 FSDP2 ranks; the run writes them to state_bytes.json, the metrics and its log."""
+rank and on 2 FSDP2 ranks, and with bf16 parameters; the run writes them to state_bytes.json, the metrics and its log."""
 
 from __future__ import annotations
 
@@ -12,19 +12,23 @@ import pytest
 from helpers import REPO, train
 from low_bits_training.config.runfolder import STATE_BYTES_JSON, STATE_BYTES_METRIC
 
-CONFIGS = {
-    "debug_model": (REPO / "train_configs" / "debug_model.toml", 16.0),
-    "lowbit_adamw_int8": (REPO / "train_configs" / "optim" / "lowbit_adamw_int8.toml", 10.066),
-}
+DEBUG = REPO / "train_configs" / "debug_model.toml"
+LOWBIT = REPO / "train_configs" / "optim" / "lowbit_adamw_int8.toml"
+BF16 = ("--training.dtype", "bfloat16")
+CASES = [  # (config, extra args, ranks, total bytes per parameter)
+    (DEBUG, (), 1, 16.0),
+    (DEBUG, (), 2, 16.0),
+    (LOWBIT, (), 1, 10.066),
+    (LOWBIT, (), 2, 10.066),
+    (LOWBIT, BF16, 1, 6.066),  # bf16 params and grads: docs/memory.md
+]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_state_bytes_computed_equal_measured(tmp_path, name, nproc):
-    config, total = CONFIGS[name]
+@pytest.mark.parametrize(("config", "args", "nproc", "total"), CASES, ids=lambda v: getattr(v, "stem", None))
+def test_state_bytes_computed_equal_measured(tmp_path, config, args, nproc, total):
     shard = ("--parallelism.data_parallel_shard_degree", str(nproc))
     run = train(
-        tmp_path, "--training.steps", "1", "--checkpoint.no-enable", *shard, config=config, nproc=nproc
+        tmp_path, "--training.steps", "1", "--checkpoint.no-enable", *shard, *args, config=config, nproc=nproc
     )
     got = json.loads((run.folder / STATE_BYTES_JSON).read_text())
     assert got["ranks"] == nproc and got["params"] == 6_163_712
