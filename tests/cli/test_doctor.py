@@ -414,6 +414,7 @@ DEFAULT = "train_configs/debug_model.toml"
             0.14,
         ),
     ],
+    ids=["lowbit", "lowbit-bf16-params", "default-bf16-params", "default-bf16-moments"],
 )
 def test_state_bytes_row_and_checkpoint_estimate_follow_the_optimizer(
     clean_env, config, args, head, moments, checkpoints
