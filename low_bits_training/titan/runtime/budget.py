@@ -108,7 +108,7 @@ def budget_json(plan: StateBytes, live: StateBytes | None, per_token: Mapping[st
 
 def report(trainer, per_token: Mapping[str, float] | None = None) -> None:
     """Once per process, after its first optimizer step: the computed and measured budgets as a logged
-    table, ``state_bytes.json`` and metrics (rank 0 writes; every rank measures).
+    table and ``state_bytes.json`` (rank 0), and metrics (the metrics rank); every rank measures.
 
     Args:
         trainer: the ``LowBitsTrainer`` (its config, model parts, optimizers, metrics).
@@ -126,13 +126,13 @@ def report(trainer, per_token: Mapping[str, float] | None = None) -> None:
     except ValueError as e:  # an optimizer we have no byte model for: the measured side alone
         logger.info(f"Training state bytes: no computed budget ({e})")
         plan = None
+    metrics = {f"{STATE_BYTES_METRIC}/{s}": v for s, v in live.per_param().items()}
+    if plan is not None:
+        metrics[f"{STATE_BYTES_METRIC}/plan_total"] = plan.per_param()["total"]
+    trainer.metrics_processor.logger.log(metrics, trainer.step)  # written by the metrics rank (last PP stage)
     if rank() != 0:
         return
     logger.info("Training state, bytes per parameter (all ranks):\n" + format_budget(plan or live, live))
     path = os.path.join(trainer.config.dump_folder, STATE_BYTES_JSON)
     os.makedirs(trainer.config.dump_folder, exist_ok=True)
     write_atomic(path, json.dumps(budget_json(plan or live, live, per_token), indent=1) + "\n")
-    metrics = {f"{STATE_BYTES_METRIC}/{s}": v for s, v in live.per_param().items()}
-    if plan is not None:
-        metrics[f"{STATE_BYTES_METRIC}/plan_total"] = plan.per_param()["total"]
-    trainer.metrics_processor.logger.log(metrics, trainer.step)
