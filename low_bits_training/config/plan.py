@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from low_bits_training.config.comm import CommConfig
+from low_bits_training.config.saved import SavedRule
 from low_bits_training.config.section import AtLeast, Retired, Section
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec, check_divisible
@@ -183,6 +184,8 @@ class QuantizeConfig(Section):
     step it runs after."""
     comm: CommConfig = field(default_factory=CommConfig)
     """``[quantize.comm]``: low-bit FSDP2 weight all-gather and gradient reduce-scatter (config/comm.py)."""
+    saved: list[SavedRule] = field(default_factory=list)
+    """``[[quantize.saved]]``: the format of what chosen modules save for the backward (config/saved.py)."""
 
 
 TargetKind = Literal["linear", "router", "experts", "qk", "pv"]

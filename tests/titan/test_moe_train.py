@@ -113,7 +113,9 @@ def test_expert_backend_follows_torchao_grouped_recipes(recipe, backend, hardwar
 
     cfg = QuantizeConfig(recipe=recipe, backend=backend, skip=[])
     if expect is None:  # backend = "torchao" and torchao runs none of the plan's layers: one line
-        with pytest.raises(ConfigError, match=r"^quantize.backend = 'torchao': torchao runs none .*emulated: "):
+        with pytest.raises(
+            ConfigError, match=r"^quantize.backend = 'torchao': torchao runs none .*emulated: "
+        ):
             resolve_plan(cfg, _layers(), named(hardware))
         return
     plans = resolve_plan(cfg, _layers(), named(hardware))

@@ -129,7 +129,7 @@ KIND = TargetKind(
     what="an attention product",
     switchable=False,
     entries=lambda config: attention_layers(config.model_spec.model, config.training.seq_len),
-    convert=lambda config, plans, keep: convert_attention(config.model_spec.model, plans, config.parallelism),
+    convert=lambda config, run: convert_attention(config.model_spec.model, run.plans, config.parallelism),
     label=product_module_label,
     current=attention_plans,
 )

@@ -338,7 +338,7 @@ KIND = TargetKind(
     name="wire",
     what="an FSDP2 collective",
     switchable=False,
-    convert=lambda config, plans, keep: apply_comm(config, plans),
+    convert=lambda config, run: apply_comm(config, run.plans),
 )
 """FSDP2's weight all-gather and gradient reduce-scatter as a kind of plan target (``titan.plan.targets``): no
 GEMM entries; its convert checks ``[quantize.comm]`` and hooks the model spec's parallelize function."""

@@ -311,7 +311,7 @@ KIND = TargetKind(
     entries=lambda config: expert_layers(
         config.model_spec.model, max(1, config.parallelism.tensor_parallel_degree)
     ),
-    convert=lambda config, plans, keep: _convert(config, plans),
+    convert=lambda config, run: _convert(config, run.plans),
     label=lambda plans, fqn: grouped_module_label(plans[fqn]),
     current=expert_plans,
 )

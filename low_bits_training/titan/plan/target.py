@@ -44,9 +44,10 @@ class TargetKind:
     """Whether its plan may change between phases of a schedule (``[[quantize.phases]]``) inside a run."""
     entries: Callable[[Any], dict[str, LayerShape]] = _none
     """config -> FQN -> shape of every entry of this kind in the model (before or after conversion)."""
-    convert: Callable[[Any, dict[str, LinearPlan], set[str]], None] = _nothing
-    """(config, resolved plans of step 1, FQNs to build quantized even where high) -> rewrite the model config
-    tree (and the model spec) in place, before any model is built."""
+    convert: Callable[[Any, Any], None] = _nothing
+    """(config, ``titan.plan.targets.ResolvedRun``: its ``plans`` of step 1, ``keep()`` the FQNs to build
+    quantized even where high) -> rewrite the model config tree (and the model spec) in place, before any
+    model is built."""
     label: Callable[[dict[str, LinearPlan], str], str] = lambda plans, fqn: ""
     """(resolved plans, FQN) -> the module the converter builds for that entry (plan table, doctor)."""
     current: Callable[[Any], dict[str, tuple[LinearPlan, str]]] = _none

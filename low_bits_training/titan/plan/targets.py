@@ -2,7 +2,7 @@
 
 ``TARGETS`` lists the kinds of target (``titan.plan.target.TargetKind``): the FSDP2 collectives first (their
 check may switch torchao's fp8 all-gather on before the linears are converted), then linear layers, MoE
-expert weights and attention products. Nothing else enumerates the kinds.
+expert weights, attention products and what autograd saves for the backward. Nothing else enumerates the kinds.
 
 ``resolve_run(config, hw)`` is the one resolution: from the config and the hardware it returns the
 ``ResolvedRun`` (every entry's shape and kind, the schedule of plans, the what-if tables, the wire formats)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from low_bits_training.config.backends import Hardware, detect_hardware
@@ -27,10 +27,10 @@ from low_bits_training.config.whatif import resolve_whatif
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.state import QuantState, live_targets
-from low_bits_training.titan.plan import attention, comm, moe, quantize
+from low_bits_training.titan.plan import attention, comm, moe, quantize, saved
 from low_bits_training.titan.plan.target import TargetKind
 
-TARGETS: tuple[TargetKind, ...] = (comm.KIND, quantize.KIND, moe.KIND, attention.KIND)
+TARGETS: tuple[TargetKind, ...] = (comm.KIND, quantize.KIND, moe.KIND, attention.KIND, saved.KIND)
 """Every kind of plan target, in the order ``apply_run`` converts them."""
 
 _RUNS: dict[int, tuple[object, ResolvedRun]] = {}
@@ -56,6 +56,8 @@ class ResolvedRun:
     """FQN -> ``WhatIf`` of the linear layers recording what-if statistics."""
     wire: tuple[QuantSpec | None, QuantSpec | None]
     """``[quantize.comm]``'s all-gather and reduce-scatter formats (None: FSDP2's own dtype)."""
+    saved: dict = field(default_factory=dict)
+    """Module FQN -> ``config.saved.SavedFormat`` of ``[[quantize.saved]]`` (what its forward saves)."""
 
     @property
     def plans(self) -> dict[str, LinearPlan]:
@@ -117,7 +119,8 @@ def resolve_run(config, hw: Hardware | None = None, quantize_cfg=None) -> Resolv
     linears = [f for f, k in kinds.items() if k is quantize.KIND]  # what-if statistics: linear layers
     whatif = resolve_whatif(config.numerics, linears, True, shapes, schedule.at(1).plans)
     wire = (wire_spec(q.comm.all_gather, "all_gather"), wire_spec(q.comm.reduce_scatter, "reduce_scatter"))
-    return ResolvedRun(hw, shapes, kinds, converted, schedule, whatif, wire)
+    kept = saved.resolve(config, shapes, q)
+    return ResolvedRun(hw, shapes, kinds, converted, schedule, whatif, wire, kept)
 
 
 def apply_run(config, run: ResolvedRun | None = None) -> ResolvedRun:
@@ -128,9 +131,8 @@ def apply_run(config, run: ResolvedRun | None = None) -> ResolvedRun:
         ConfigError: one line, before the model is built.
     """
     run = run or resolve_run(config)
-    plans, keep = run.plans, run.keep()
     for kind in TARGETS:
-        kind.convert(config, plans, keep)
+        kind.convert(config, run)
     _RUNS[id(config)] = (config, run)
     return run
 

@@ -16,6 +16,7 @@ from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
 from low_bits_training.titan.plan.comm import log_comm_bytes
 from low_bits_training.titan.plan.delayed import install as install_amax_group
+from low_bits_training.titan.plan.saved import log_saved_bytes
 from low_bits_training.titan.plan.schedule import install as install_schedule
 from low_bits_training.titan.plan.targets import live, run_of
 from low_bits_training.titan.platform.ranks import rank
@@ -83,6 +84,7 @@ class LowBitsTrainer(Trainer):
             super().train_step(data_iterator)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
         budget.report(self)  # bytes per parameter of each training state, once (titan/runtime/budget.py)
+        log_saved_bytes(self)  # [[quantize.saved]] bytes kept for the backward (titan/plan/saved.py)
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM

@@ -1,0 +1,183 @@
+"""What autograd saves for the backward as a kind of plan target: ``[[quantize.saved]]`` on the built model.
+
+The formats are resolved with the run (``resolve``, called by ``titan.plan.targets.resolve_run``: module
+FQNs from the model's config tree, the block-size check against its linears' widths and the attention head
+dim); ``KIND.convert`` wraps the model spec's ``parallelize_fn`` so that, once torchtitan has applied
+activation checkpointing, torch.compile and FSDP2, the chosen modules get their saved-tensor hooks
+(``nn.saved``). ``log_saved_bytes`` writes what the hooks stored into the metrics on logging steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torchtitan.protocols.module import Module
+
+from low_bits_training.config.saved import SavedFormat, resolve_saved
+from low_bits_training.formats import QuantSpec, group_scales, grouped_shape
+from low_bits_training.nn import saved as nn_saved
+from low_bits_training.nn.state import clean_fqn
+from low_bits_training.optim.codec import StateCodec
+from low_bits_training.titan.plan.target import TargetKind
+
+
+def modules_of(model_config) -> list[str]:
+    """Every module FQN of the model's config tree, in model order (the root is "")."""
+    return [fqn for fqn, _, _, _ in model_config.traverse(Module.Config, recurse=True)]
+
+
+def last_dims(model_config, shapes: dict) -> dict[str, set[int]]:
+    """Module FQN -> the last dims of what it may save: the in / out features of the GEMM entries under it
+    and the head dim of attention modules under it."""
+    heads = {}
+    for fqn, cfg, _, _ in model_config.traverse(Module.Config, recurse=True):
+        for key in ("head_dim",):
+            if isinstance(getattr(cfg, key, None), int):
+                heads[fqn] = cfg.head_dim
+    out: dict[str, set[int]] = {}
+    for m in modules_of(model_config):
+        under = functools.partial(_under, m)
+        dims = {d for f, s in shapes.items() if under(f) for d in (s.in_features, s.out_features)}
+        dims |= {h for f, h in heads.items() if under(f)}
+        out[m] = dims
+    return out
+
+
+def _under(module: str, fqn: str) -> bool:
+    return not module or fqn == module or fqn.startswith(module + ".")
+
+
+def compiled_blocks(config) -> bool:
+    """torchtitan compiles each transformer block on its own (``compile.enable`` with ``model``)."""
+    return bool(config.compile.enable and "model" in config.compile.components)
+
+
+def resolve(config, shapes: dict, quantize=None) -> dict[str, SavedFormat]:
+    """Module FQN -> format of its saves (``config.saved.resolve_saved`` on this config's model; the rules of
+    ``quantize``, default ``config.quantize``).
+
+    Raises:
+        ConfigError: one line (a glob, a block inside a compiled block, a block size, a format field).
+    """
+    rules = (quantize or config.quantize).saved
+    if not rules:
+        return {}
+    model = config.model_spec.model
+    return resolve_saved(rules, modules_of(model), compiled_blocks(config), last_dims(model, shapes))
+
+
+class SaveCodec:
+    """Codes + scales of a save in ``optim.codec.StateCodec``'s vectorized layout (rows of the last dim; e8m0
+    / ue4m3 block scales one byte each; bf16 / fp16 a plain cast); the decoded values equal
+    ``nn.saved.ReferenceCodec``'s (``formats.quantize``) bit for bit (tested). Tensor / axis scaling: the
+    scale from ``formats.group_scales``, the elements divided by it coded as a scale-free format."""
+
+    def __init__(self, spec: QuantSpec):
+        self.spec = spec
+        inner = spec if spec.scaling in ("none", "block") else dataclasses.replace(spec, scaling="none")
+        self.rows = StateCodec(inner)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return self.rows.fits((t.shape[-1],)) and t.element_size() > self.rows.spec.elem.bits // 8
+
+    def encode(self, t: torch.Tensor):
+        x = t.reshape(-1, t.shape[-1]).float()
+        scale = None
+        if self.spec.scaling in ("tensor", "axis"):
+            scale = group_scales(x, self.spec, grouped_shape(x.shape, self.spec)[1]).scale
+            x = x / scale
+        return self.rows.encode(x), scale, t.shape, t.dtype
+
+    def decode(self, packed) -> torch.Tensor:
+        parts, scale, shape, dtype = packed
+        y = self.rows.decode(parts, (shape.numel() // shape[-1], shape[-1]))
+        return (y if scale is None else y * scale).reshape(shape).to(dtype)
+
+    @staticmethod
+    def nbytes(packed) -> int:
+        parts, scale = packed[0], packed[1]
+        return sum(p.nbytes for p in parts.values()) + (scale.nbytes if scale is not None else 0)
+
+
+def codec_of(fmt: SavedFormat) -> SaveCodec | None:
+    """The codec a resolved format stores saves with (None: 'high', kept as made)."""
+    if fmt.cast is not None:
+        return SaveCodec(QuantSpec(fmt.cast, "none"))
+    return SaveCodec(fmt.spec) if fmt.spec is not None else None
+
+
+def stat_tails(model_config, seq_len: int, tp: int = 1) -> tuple[tuple[int, int], ...]:
+    """Trailing shapes of the attention's softmax statistics, ``(local heads, seq_len)`` of every attention
+    module of the model (``nn.saved.SaveFormat.keep_tails``)."""
+    heads = {
+        cfg.n_heads // tp
+        for _, cfg, _, _ in model_config.traverse(Module.Config, recurse=True)
+        if isinstance(getattr(cfg, "n_heads", None), int)
+    }
+    return tuple((h, seq_len) for h in sorted(heads))
+
+
+def install(model, formats: dict[str, SavedFormat], keep_tails: tuple = ()) -> int:
+    """Hook the modules ``formats`` names in a built (parallelized) model; returns how many were hooked."""
+    n = 0
+    for name, module in model.named_modules():
+        fmt = formats.get(clean_fqn(name))
+        if fmt is None or hasattr(module, "lbt_saved"):
+            continue  # a checkpoint / compile wrapper and its wrapped module share the clean FQN: the outer one
+        nn_saved.install(
+            module, clean_fqn(name), nn_saved.SaveFormat(codec_of(fmt), fmt.min_numel, keep_tails)
+        )
+        n += 1
+    return n
+
+
+def with_saved_hooks(parallelize_fn, config, formats: dict[str, SavedFormat]):
+    """Wrap torchtitan's ``parallelize_fn``: once it returns, hook the saves the run resolved."""
+    tp = max(1, config.parallelism.tensor_parallel_degree)
+    tails = stat_tails(config.model_spec.model, config.training.seq_len, tp)
+
+    @functools.wraps(parallelize_fn)
+    def wrapped(model, *args, **kwargs):
+        model = parallelize_fn(model, *args, **kwargs)
+        install(model, formats, tails)
+        return model
+
+    wrapped.__lbt_saved__ = True
+    return wrapped
+
+
+def convert(config, run) -> None:
+    """Hook the run's ``[[quantize.saved]]`` formats into the model spec (nothing without rules)."""
+    spec = config.model_spec
+    if run.saved and not getattr(spec.parallelize_fn, "__lbt_saved__", False):
+        spec.parallelize_fn = with_saved_hooks(spec.parallelize_fn, config, run.saved)
+
+
+def log_saved_bytes(trainer) -> None:
+    """On logging steps, write the bytes the hooks stored this step (all modules, per token, vs as made)."""
+    got = nn_saved.take_bytes()
+    if not got or not trainer.metrics_processor.should_log(trainer.step):
+        return
+    made = sum(v[1] for v in got.values())
+    kept = sum(v[2] for v in got.values())
+    cfg = trainer.config.training
+    tokens = cfg.local_batch_size * cfg.seq_len * getattr(trainer, "gradient_accumulation_steps", 1)
+    metrics = {
+        "saved/bytes": kept,
+        "saved/bytes_hp": made,
+        "saved/ratio": kept / made if made else 1.0,
+        "saved/bytes_per_token": kept / tokens,
+    }
+    trainer.metrics_processor.logger.log(metrics, trainer.step)
+
+
+KIND = TargetKind(
+    name="saved",
+    what="a module's saved activations",
+    switchable=False,
+    convert=convert,
+)
+"""What autograd keeps for the backward as a kind of plan target (``titan.plan.targets``): no GEMM entries;
+its convert hooks the model spec's parallelize function."""
