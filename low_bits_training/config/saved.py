@@ -8,9 +8,10 @@ decoded values). Parameters are never touched (they are held anyway), nor tensor
     [[quantize.saved]]
     modules = ["layers.*"]          # whole transformer blocks (the unit torch.compile compiles)
     format = "e4m3"                 # or "bf16" / "fp16" (a plain cast), any element format, "high"
-    scaling = "tensor"              # none | tensor | axis | block (along the last dim)
+    scaling = "axis"                # none | tensor | axis (a scale per row: the default) | block
 
-Later rules win where they select the same module; a module inside a selected one that a rule also selects
+A glob selects the outermost modules it matches (``layers.*`` the blocks, not their parts: those save
+under their block's scope). Later rules win where they select the same module; a module inside a selected one that a rule also selects
 uses its own rule for what it saves. Pure config: the model's module tree comes in as FQNs.
 """
 
@@ -45,14 +46,14 @@ class SavedRule(Section):
     outside the compiled region and see the values the compiled graph saves."""
     format: str = "e4m3"
     """Element format (``e4m3``, ``e5m2``, ``int8``, ``e2m1``, ...), ``bf16`` / ``fp16`` (a plain cast), or
-    ``high`` (kept as the forward made it; undoes an earlier rule)."""
-    scaling: Literal["none", "tensor", "axis", "block"] = "tensor"
-    """none (values rounded as they are) | tensor (one scale) | axis (one scale per row of the last dim) |
-    block (1 x block_size groups along the last dim)."""
+    ``high`` (kept as the forward made it, only counted; undoes an earlier rule)."""
+    scaling: Literal["none", "tensor", "axis", "block"] = "axis"
+    """none (values rounded as they are) | tensor (one scale) | axis (one scale per row of the last dim, the
+    default: an outlier flattens only its own row) | block (1 x block_size groups along the last dim)."""
     block_size: Annotated[int, AtLeast(1)] = 32
     """Group length of ``block`` scaling; it must divide the last dim of what the selected modules save."""
     scale_format: ScaleFormat = "fp32"
-    """fp32 | bf16 | e8m0 | ue4m3: the grid of the scales (kept as fp32 numbers)."""
+    """fp32 | bf16 | e8m0 | ue4m3: the grid of the scales, and their storage (4, 2, 1, 1 bytes)."""
     scale_rounding: ScaleRounding = "exact"
     """exact | floor | ceil | rceil (see ``QuantSpec.scale_rounding``)."""
     rounding: Literal["nearest", "toward_zero"] = "nearest"
@@ -117,7 +118,8 @@ def resolve_saved(
     compiled: bool,
     last_dims: dict[str, set[int]],
 ) -> dict[str, SavedFormat]:
-    """Module FQN -> the format its saves are kept in, for every module a rule selects (high ones dropped).
+    """Module FQN -> the format its saves are kept in, for every module a rule selects ("high": kept as made,
+    and counted in the ``saved/*`` metrics).
 
     Args:
         rules: ``quantize.saved``.
@@ -137,6 +139,8 @@ def resolve_saved(
         fmt = SavedFormat(fmt.spec, fmt.cast, fmt.min_numel, i)
         for glob in rule.modules:
             hits = [m for m in modules if m and fnmatch.fnmatchcase(m, glob)]
+            outer = set(hits)  # a module inside a selected one saves under its scope already
+            hits = [m for m in hits if not any(m.startswith(o + ".") for o in outer)]
             if not hits:
                 shown = ", ".join([m for m in modules if m and not re.match(r"layers\.[1-9]", m)][:12])
                 raise ConfigError(f"{where}.modules: {glob!r} matches no module; modules are {shown}, ...")
@@ -157,13 +161,4 @@ def resolve_saved(
                             f"divisor of {', '.join(map(str, sorted(last_dims[m])))}"
                         )
                 chosen[m] = fmt
-    return {
-        m: f for m, f in chosen.items() if f.spec is not None or f.cast is not None or _shadows(m, chosen)
-    }
-
-
-def _shadows(fqn: str, chosen: dict[str, SavedFormat]) -> bool:
-    """A 'high' rule on a module inside a selected one must stay (it undoes the outer rule there)."""
-    return any(
-        fqn.startswith(o + ".") and (f.spec is not None or f.cast is not None) for o, f in chosen.items()
-    )
+    return chosen

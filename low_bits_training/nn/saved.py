@@ -88,10 +88,27 @@ def take_bytes() -> dict[str, list[int]]:
 class _Packed:
     """A stored save and the codec that reads it back."""
 
-    __slots__ = ("__weakref__", "codec", "value")
+    __slots__ = ("__weakref__", "codec", "stride", "value")
 
-    def __init__(self, codec, value):
-        self.codec, self.value = codec, value
+    def __init__(self, codec, value, stride):
+        self.codec, self.value, self.stride = codec, value, stride
+
+    def unpack(self) -> torch.Tensor:
+        y = self.codec.decode(self.value)
+        if self.stride is None:
+            return y
+        out = torch.empty_strided(y.shape, self.stride, dtype=y.dtype, device=y.device)
+        return out.copy_(y)  # the layout the forward made: a compiled backward asserts strides
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Every element at its own address, none skipped (contiguous up to a permutation of the dims)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 _SEEN: dict[int, tuple] = {}
@@ -154,6 +171,7 @@ class SavedHooks:
             or t.numel() < fmt.min_numel
             or any(tuple(t.shape[-len(tail) :]) == tail for tail in fmt.keep_tails)
             or not fmt.codec.fits(t)
+            or not _dense(t)
         )
 
     def pack(self, t: torch.Tensor):
@@ -169,7 +187,7 @@ class SavedHooks:
         else:
             with torch.no_grad():
                 codec = self.fmt.codec
-                packed = _Packed(codec, codec.encode(t.detach()))
+                packed = _Packed(codec, codec.encode(t.detach()), None if t.is_contiguous() else t.stride())
                 stored = codec.nbytes(packed.value)
         count = BYTES.setdefault(self.fqn, [0, 0, 0])
         count[0] += t.numel()
@@ -180,7 +198,7 @@ class SavedHooks:
 
     @staticmethod
     def unpack(packed) -> torch.Tensor:
-        return packed.codec.decode(packed.value) if isinstance(packed, _Packed) else packed
+        return packed.unpack() if isinstance(packed, _Packed) else packed
 
     @contextlib.contextmanager
     def scope(self):

@@ -134,10 +134,9 @@ def test_rules_resolve_last_one_wins_and_high_undoes():
         SavedRule(modules=["layers.0.attention"], format="high"),
     ]
     got = resolve_saved(rules, mods, False, {})
-    assert {m: f.label for m, f in got.items()} == {
-        "layers.0": "e4m3/tensor(fp32,exact)/rne",
+    assert {m: f.label for m, f in got.items()} == {  # layers.* selects the blocks, not their parts
+        "layers.0": "e4m3/axis-1(fp32,exact)/rne",
         "layers.0.attention": "high",
-        "layers.0.feed_forward": "e4m3/tensor(fp32,exact)/rne",
         "layers.1": "bf16",
     }
 

@@ -13,6 +13,8 @@ from low_bits_training.titan.plan.saved import SaveCodec, codec_of
 SPECS = [
     QuantSpec("e4m3", "tensor"),
     QuantSpec("e5m2", "axis"),
+    QuantSpec("e4m3", "axis", scale_format="e8m0", scale_rounding="floor"),
+    QuantSpec("e4m3", "axis", scale_format="bf16"),
     QuantSpec("int8", "axis"),
     QuantSpec("e4m3", "block", block_size=32, scale_format="e8m0", scale_rounding="rceil"),
     QuantSpec("e2m1", "block", block_size=16, scale_format="ue4m3"),
@@ -50,6 +52,8 @@ def test_stored_bytes():
     )
     mx = QuantSpec("e2m1", "block", block_size=32, scale_format="e8m0", scale_rounding="floor")
     assert SaveCodec(mx).nbytes(SaveCodec(mx).encode(x)) == n // 2 + n // 32  # one-byte e8m0 scales
+    rows = QuantSpec("e4m3", "axis", scale_format="e8m0", scale_rounding="floor")
+    assert SaveCodec(rows).nbytes(SaveCodec(rows).encode(x)) == n + 48  # a one-byte scale per row
     bf16 = codec_of(SavedFormat(None, "bf16", 0, 0))
     assert bf16.nbytes(bf16.encode(x)) == 2 * n and bf16.fits(x) and not bf16.fits(x.bfloat16())
     assert codec_of(SavedFormat(None, None, 0, 0)) is None

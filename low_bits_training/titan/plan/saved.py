@@ -16,11 +16,14 @@ import torch
 from torchtitan.protocols.module import Module
 
 from low_bits_training.config.saved import SavedFormat, resolve_saved
-from low_bits_training.formats import QuantSpec, group_scales, grouped_shape
+from low_bits_training.formats import QuantSpec, encode, group_scales, grouped_shape
 from low_bits_training.nn import saved as nn_saved
 from low_bits_training.nn.state import clean_fqn
-from low_bits_training.optim.codec import StateCodec
+from low_bits_training.optim.codec import StateCodec, decode_codes
 from low_bits_training.titan.plan.target import TargetKind
+
+_SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Scale formats stored as a torch dtype; e8m0 / ue4m3 scales are stored as their one-byte codes."""
 
 
 def modules_of(model_config) -> list[str]:
@@ -70,7 +73,7 @@ def resolve(config, shapes: dict, quantize=None) -> dict[str, SavedFormat]:
 
 class SaveCodec:
     """Codes + scales of a save in ``optim.codec.StateCodec``'s vectorized layout (rows of the last dim; e8m0
-    / ue4m3 block scales one byte each; bf16 / fp16 a plain cast); the decoded values equal
+    / ue4m3 scales one byte each, bf16 two; bf16 / fp16 a plain cast); the decoded values equal
     ``nn.saved.ReferenceCodec``'s (``formats.quantize``) bit for bit (tested). Tensor / axis scaling: the
     scale from ``formats.group_scales``, the elements divided by it coded as a scale-free format."""
 
@@ -84,16 +87,21 @@ class SaveCodec:
 
     def encode(self, t: torch.Tensor):
         x = t.reshape(-1, t.shape[-1]).float()
-        scale = None
+        scale = stored = None
         if self.spec.scaling in ("tensor", "axis"):
             scale = group_scales(x, self.spec, grouped_shape(x.shape, self.spec)[1]).scale
             x = x / scale
-        return self.rows.encode(x), scale, t.shape, t.dtype
+            sf = self.spec.scale_format  # the scales are on its grid: stored in its own width, exactly
+            stored = scale.to(_SCALE_DTYPES[sf]) if sf in _SCALE_DTYPES else encode(scale, sf)
+        return self.rows.encode(x), stored, t.shape, t.dtype
 
     def decode(self, packed) -> torch.Tensor:
-        parts, scale, shape, dtype = packed
+        parts, stored, shape, dtype = packed
         y = self.rows.decode(parts, (shape.numel() // shape[-1], shape[-1]))
-        return (y if scale is None else y * scale).reshape(shape).to(dtype)
+        if stored is not None:
+            sf = self.spec.scale_format
+            y = y * (stored.float() if sf in _SCALE_DTYPES else decode_codes(stored, sf))
+        return y.reshape(shape).to(dtype)
 
     @staticmethod
     def nbytes(packed) -> int:
@@ -155,22 +163,39 @@ def convert(config, run) -> None:
         spec.parallelize_fn = with_saved_hooks(spec.parallelize_fn, config, run.saved)
 
 
-def log_saved_bytes(trainer) -> None:
-    """On logging steps, write the bytes the hooks stored this step (all modules, per token, vs as made)."""
+def format_saved(formats: dict[str, SavedFormat]) -> str:
+    """The plan table's lines for ``[[quantize.saved]]`` (empty without rules)."""
+    if not formats:
+        return ""
+    width = max(len(m) for m in formats)
+    rows = [f"  {m:<{width}}  {f.label}  (quantize.saved[{f.rule}])" for m, f in formats.items()]
+    return (
+        "\nsaved for the backward (parameters, softmax statistics, tensors < min_numel kept):\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+
+
+def log_saved_bytes(trainer) -> dict[str, float] | None:
+    """This step's saved bytes per token on this rank (stored, and as the forward made them; None without
+    ``[[quantize.saved]]``), written into the metrics on logging steps."""
     got = nn_saved.take_bytes()
-    if not got or not trainer.metrics_processor.should_log(trainer.step):
-        return
+    if not got:
+        return None
     made = sum(v[1] for v in got.values())
     kept = sum(v[2] for v in got.values())
     cfg = trainer.config.training
     tokens = cfg.local_batch_size * cfg.seq_len * getattr(trainer, "gradient_accumulation_steps", 1)
-    metrics = {
-        "saved/bytes": kept,
-        "saved/bytes_hp": made,
-        "saved/ratio": kept / made if made else 1.0,
-        "saved/bytes_per_token": kept / tokens,
-    }
-    trainer.metrics_processor.logger.log(metrics, trainer.step)
+    per_token = {"stored": kept / tokens, "as_made": made / tokens}
+    if trainer.metrics_processor.should_log(trainer.step):
+        metrics = {
+            "saved/bytes": kept,
+            "saved/bytes_hp": made,
+            "saved/ratio": kept / made if made else 1.0,
+            "saved/bytes_per_token": per_token["stored"],
+        }
+        trainer.metrics_processor.logger.log(metrics, trainer.step)
+    return per_token
 
 
 KIND = TargetKind(

@@ -163,8 +163,9 @@ def plan_text(
     run: ResolvedRun, plans: dict[str, LinearPlan], labels: dict[str, str], quantize
 ) -> tuple[str, list]:
     """The plan table (one per phase and the eval plan, each under its title, with a schedule), each followed
-    by why layers do not run torchao's kernel on the run's hardware (``config.plan_table.fallbacks``), and
-    the schedule's JSON (empty without one).
+    by why layers do not run torchao's kernel on the run's hardware (``config.plan_table.fallbacks``), then
+    the formats of what modules save for the backward (``[[quantize.saved]]``), and the schedule's JSON
+    (empty without one).
 
     Args:
         quantize: the run's ``[quantize]`` section (its ``backend`` and ``torchao`` options).
@@ -176,8 +177,9 @@ def plan_text(
         return format_plan(p, labels) + format_fallbacks(why, run.hardware, quantize.backend)
 
     sched = run.schedule
+    saves = saved.format_saved(run.saved)
     if len(sched.all()) == 1:
-        return table(plans), []
+        return table(plans) + saves, []
     parts, data = [], []
     for phase in sched.all():
         merged = {**plans, **phase.plans}  # keeps the linears a base's torchtitan converter swapped
@@ -185,7 +187,7 @@ def plan_text(
         last = sched.last_step(phase) if phase.first_step else 0
         rows = plan_to_json(merged, labels)
         data.append({"label": phase.label, "first_step": phase.first_step, "last_step": last, "plans": rows})
-    return "".join(parts), data
+    return "".join(parts) + saves, data
 
 
 def save_plan(config, folder: str | os.PathLike) -> Path:

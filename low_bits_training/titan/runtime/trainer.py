@@ -83,8 +83,12 @@ class LowBitsTrainer(Trainer):
         with extras_for(self).step(self.step):
             super().train_step(data_iterator)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
-        budget.report(self)  # bytes per parameter of each training state, once (titan/runtime/budget.py)
-        log_saved_bytes(self)  # [[quantize.saved]] bytes kept for the backward (titan/plan/saved.py)
+        per_token = log_saved_bytes(
+            self
+        )  # [[quantize.saved]] bytes kept for the backward (titan/plan/saved.py)
+        budget.report(
+            self, per_token
+        )  # bytes per parameter of each training state, once (titan/runtime/budget.py)
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM

@@ -1,0 +1,77 @@
+"""Saved activations in low precision: bytes per token and the loss against the run that keeps them as made.
+
+    .venv/bin/python benchmarks/saved_losses.py --steps 200 [--compile] [--ac selective]
+
+Trains the debug model (``train_configs/debug_model.toml``, one CPU rank, batch 2 x 128 tokens, same seed
+and data, no checkpoint) through the launcher once per ``[[quantize.saved]]`` variant below, and prints a
+markdown table: the stored and as-made saved bytes per token of the last step (the ``saved/*`` metrics,
+what the hooks packed: parameters, softmax statistics and small tensors are kept and counted as made), their
+ratio, the final loss and the largest loss difference to the run without rules over all steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers import train, write_toml  # noqa: E402
+
+HIGH = {"modules": ["layers.*"], "format": "high"}
+VARIANTS = {
+    "as made (counted)": [HIGH],
+    "bf16": [{"modules": ["layers.*"], "format": "bf16"}],
+    "e4m3 per row (default)": [{"modules": ["layers.*"], "format": "e4m3"}],
+    "e4m3 per tensor": [{"modules": ["layers.*"], "format": "e4m3", "scaling": "tensor"}],
+    "e4m3 MX (block 32, e8m0)": [
+        {
+            "modules": ["layers.*"],
+            "format": "e4m3",
+            "scaling": "block",
+            "block_size": 16,
+            "scale_format": "e8m0",
+            "scale_rounding": "rceil",
+        }
+    ],  # fmt: skip
+}
+"""Rule sets by name. The MX variant uses 16-element blocks: the debug model's head dim is 16."""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--ac", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+    extra = ["--activation_checkpoint", args.ac, *(["--compile.enable"] if args.compile else [])]
+    rows, ref = [], None
+    for name in args.variants.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = write_toml(Path(tmp) / "saved.toml", quantize={"saved": VARIANTS[name]})
+            run = train(
+                Path(tmp), "--training.steps", str(args.steps), "--checkpoint.no-enable", "--debug.seed", "0",
+                "--metrics.log_freq", "1", *extra, config=cfg, timeout=7200,
+            )  # fmt: skip
+            losses = run.losses
+            last = [r for r in run.rows if "saved/bytes" in r][-1]
+        ref = ref or losses
+        tokens = last["saved/bytes"] / last["saved/bytes_per_token"]
+        diff = max(abs(losses[s] - ref[s]) for s in losses)
+        rows.append(
+            f"| {name} | {last['saved/bytes'] / tokens:,.0f} | {last['saved/bytes_hp'] / tokens:,.0f} | "
+            f"{last['saved/bytes_hp'] / last['saved/bytes']:.2f}x | {losses[args.steps]:.4f} | {diff:.4f} |"
+        )
+        print(rows[-1], flush=True)
+    print(f"\n{args.steps} steps, compile={args.compile}, activation_checkpoint={args.ac}\n")
+    print("| saves | stored B/token | as made B/token | fewer bytes | final loss | max abs loss diff |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

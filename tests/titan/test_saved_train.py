@@ -1,0 +1,83 @@
+"""[[quantize.saved]] through the launcher (run_llama_train.sh), as users run it: the debug model's blocks
+keep what they save for the backward in e4m3 (one scale per row). What the hooks stored is half or less
+of what the forward made (the metrics), the losses stay within 0.01 nats of the run that keeps its saves as
+made, eager, compiled and on 2 FSDP2 ranks, and a resumed run equals the uninterrupted one bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from helpers import train, write_toml
+
+SAVED = [{"modules": ["layers.*"], "format": "e4m3"}]  # one fp32 scale per row
+SEED = ("--debug.seed", "0")
+
+
+def _config(tmp_path, saved=SAVED):
+    return write_toml(tmp_path / "saved.toml", quantize={"saved": saved})
+
+
+def _run(folder, *args, config=None, nproc=1):
+    folder.mkdir(parents=True, exist_ok=True)
+    return train(folder, *SEED, *args, config=config, nproc=nproc)
+
+
+def _ratio(run) -> list[float]:
+    return [r["saved/ratio"] for r in run.rows if "saved/ratio" in r]
+
+
+def test_fp8_saves_halve_the_bytes_and_a_resume_is_exact(tmp_path):
+    cfg = _config(tmp_path)
+    steps = ("--training.steps", "6")
+    high = _run(tmp_path / "high", *steps, "--checkpoint.no-enable")
+    whole = _run(tmp_path / "whole", *steps, "--checkpoint.interval", "2", config=cfg)
+    assert sorted(whole.losses) == [1, 2, 3, 4, 5, 6]
+    assert all(abs(whole.losses[s] - high.losses[s]) < 0.01 for s in range(1, 7))
+    assert whole.losses != high.losses  # the saves were rounded
+    ratios = _ratio(whole)
+    assert len(ratios) == 6 and max(ratios) < 1 / 1.8  # e4m3 for bf16 saves and fp32 norm inputs
+    step4 = tmp_path / "resumed" / "run" / "checkpoint" / "step-4"
+    shutil.copytree(whole.folder / "checkpoint" / "step-4", step4)
+    resumed = _run(tmp_path / "resumed", *steps, "--checkpoint.interval", "2", config=cfg)
+    assert "Training starts at step 5" in resumed.log
+    assert {s: resumed.losses[s] for s in (5, 6)} == {s: whole.losses[s] for s in (5, 6)}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fp8_saves_compiled_and_on_two_ranks(tmp_path, nproc):
+    """1 rank compiled (the hooks outside each compiled block); 2 FSDP2 ranks eager."""
+    args = ("--training.steps", "3", "--checkpoint.no-enable")
+    args += ("--compile.enable",) if nproc == 1 else ("--parallelism.data_parallel_shard_degree", "2")
+    high = _run(tmp_path / "high", *args, nproc=nproc)
+    low = _run(tmp_path / "low", *args, config=_config(tmp_path), nproc=nproc)
+    assert sorted(low.losses) == [1, 2, 3]
+    assert all(abs(low.losses[s] - high.losses[s]) < 0.01 for s in low.losses)
+    assert low.losses != high.losses
+    assert 0.45 < max(_ratio(low)) < 1 / 1.8  # bf16 saves to e4m3: about half (softmax statistics kept)
+
+
+@pytest.mark.parametrize(
+    ("saved", "args", "message"),
+    [
+        (
+            [{"modules": ["layers.*"], "format": "e4m3", "scaling": "block", "block_size": 48}],
+            (),
+            "quantize.saved[0].block_size = 48: 'layers.0' saves tensors whose last dim is 16",
+        ),
+        (
+            [{"modules": ["layers.*.feed_forward"], "format": "e4m3"}],
+            ("--compile.enable",),
+            "quantize.saved[0].modules: 'layers.*.feed_forward' selects 'layers.0.feed_forward', which is not a",
+        ),
+    ],
+)
+def test_a_bad_save_rule_is_one_line_and_exit_2(tmp_path, saved, args, message):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    run = train(folder, *args, config=_config(tmp_path, saved), check=False)
+    assert run.returncode == 2
+    lines = [ln for ln in run.log.splitlines() if "quantize.saved" in ln]
+    assert lines and message in lines[0]
+    assert not (folder / "run").exists()
