@@ -1,17 +1,22 @@
 """Saved activations in low precision: bytes per token and the loss against the run that keeps them as made.
 
     .venv/bin/python benchmarks/saved_losses.py --steps 200 [--compile] [--ac selective]
+    .venv/bin/python benchmarks/saved_losses.py --steps 200 --presets train_configs/debug_model.toml \
+        train_configs/debug_lean.toml
 
 Trains the debug model (``train_configs/debug_model.toml``, one CPU rank, batch 2 x 128 tokens, same seed
 and data, no checkpoint) through the launcher once per ``[[quantize.saved]]`` variant below, and prints a
 markdown table: the stored and as-made saved bytes per token of the last step (the ``saved/*`` metrics,
 what the hooks packed: parameters, softmax statistics and small tensors are kept and counted as made), their
 ratio, the final loss and the largest loss difference to the run without rules over all steps.
+``--presets``: each config as it is (its own saves and optimizer), with its training-state bytes per
+parameter (``state_bytes.json``), against the first one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -47,7 +52,10 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ac", default="none", choices=["none", "selective", "full"])
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--presets", nargs="+", type=Path, help="config files to train as they are")
     args = p.parse_args()
+    if args.presets:
+        return presets(args)
     extra = ["--activation_checkpoint", args.ac, *(["--compile.enable"] if args.compile else [])]
     rows, ref = [], None
     for name in args.variants.split(","):
@@ -69,6 +77,31 @@ def main() -> None:
         print(rows[-1], flush=True)
     print(f"\n{args.steps} steps, compile={args.compile}, activation_checkpoint={args.ac}\n")
     print("| saves | stored B/token | as made B/token | fewer bytes | final loss | max abs loss diff |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def presets(args) -> None:
+    rows, ref = [], None
+    for config in args.presets:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = train(
+                Path(tmp), "--training.steps", str(args.steps), "--checkpoint.no-enable", "--debug.seed", "0",
+                config=config, timeout=7200,
+            )  # fmt: skip
+            losses = run.losses
+            state = json.loads((run.folder / "state_bytes.json").read_text())
+        ref = ref or losses
+        per_param = state["measured"]["bytes_per_param"]["total"]
+        saved = (state.get("saved_bytes_per_token") or {}).get("stored")
+        diff = max(abs(losses[s] - ref[s]) for s in losses)
+        rows.append(
+            f"| {config} | {per_param:.2f} | {f'{saved:,.0f}' if saved else 'not counted'} | "
+            f"{losses[args.steps]:.4f} | {losses[args.steps] - ref[args.steps]:+.4f} | {diff:.4f} |"
+        )
+        print(rows[-1], flush=True)
+    print(f"\n{args.steps} steps\n")
+    print("| config | state B/param | saved B/token | final loss | vs first | max abs loss diff |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -162,15 +162,20 @@ def test_every_recipe_resolves_on_every_debug_preset():
 
     from low_bits_training.config.recipes import RECIPES
 
-    failures = []
+    failures, refused = [], []
     for path in PRESETS:
         config = _load(path)
         for recipe in RECIPES:
             try:
                 targets.resolve_run(config, None, dataclasses.replace(config.quantize, recipe=recipe))
             except Exception as e:  # collected: the assertion names every failing pair
-                failures.append(f"{path.stem} + {recipe}: {str(e).splitlines()[0]}")
+                line = f"{path.stem} + {recipe}: {str(e).splitlines()[0]}"
+                # backend = 'torchao' refuses a plan torchao runs no layer of (cdba702): by design, one line
+                mine = config.quantize.backend == "torchao" and "torchao runs none of this plan" in line
+                (refused if mine else failures).append(line)
     assert not failures, "\n".join(failures)
+    assert all(r.startswith("debug_torchao_mixed + ") for r in refused), refused
+    assert "nvfp4" in {r.split(" + ")[1].split(":")[0] for r in refused}, refused
 
 
 def test_mxfp8_recipe_trains_on_the_moe_preset(tmp_path):
