@@ -59,45 +59,51 @@ def main() -> None:
     extra = ["--activation_checkpoint", args.ac, *(["--compile.enable"] if args.compile else [])]
     rows, ref = [], None
     for name in args.variants.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = write_toml(Path(tmp) / "saved.toml", quantize={"saved": VARIANTS[name]})
-            run = train(
-                Path(tmp), "--training.steps", str(args.steps), "--checkpoint.no-enable", "--debug.seed", "0",
-                "--metrics.log_freq", "1", *extra, config=cfg, timeout=7200,
-            )  # fmt: skip
-            losses = run.losses
-            last = [r for r in run.rows if "saved/bytes" in r][-1]
+        losses, last, _ = _train(args.steps, {"saved": VARIANTS[name]}, extra)
         ref = ref or losses
         tokens = last["saved/bytes"] / last["saved/bytes_per_token"]
-        diff = max(abs(losses[s] - ref[s]) for s in losses)
         rows.append(
             f"| {name} | {last['saved/bytes'] / tokens:,.0f} | {last['saved/bytes_hp'] / tokens:,.0f} | "
-            f"{last['saved/bytes_hp'] / last['saved/bytes']:.2f}x | {losses[args.steps]:.4f} | {diff:.4f} |"
+            f"{last['saved/bytes_hp'] / last['saved/bytes']:.2f}x | {_losses(losses, ref, args.steps)} |"
         )
         print(rows[-1], flush=True)
     print(f"\n{args.steps} steps, compile={args.compile}, activation_checkpoint={args.ac}\n")
-    print("| saves | stored B/token | as made B/token | fewer bytes | final loss | max abs loss diff |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| saves | stored B/token | as made B/token | fewer bytes | final loss | vs first | max abs loss diff |"
+    )
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+
+
+def _train(steps: int, quantize: dict | None, extra: list[str], config: Path | None = None):
+    """One launcher run: its losses, its last ``saved/*`` metrics row, its ``state_bytes.json``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if quantize is not None:
+            config = write_toml(Path(tmp) / "saved.toml", quantize=quantize)
+        run = train(
+            Path(tmp), "--training.steps", str(steps), "--checkpoint.no-enable", "--debug.seed", "0",
+            "--metrics.log_freq", "1", *extra, config=config, timeout=7200,
+        )  # fmt: skip
+        last = ([r for r in run.rows if "saved/bytes" in r] or [{}])[-1]
+        return run.losses, last, json.loads((run.folder / "state_bytes.json").read_text())
+
+
+def _losses(losses: dict, ref: dict, steps: int) -> str:
+    """final loss | its difference to the first run's | the largest difference over all steps"""
+    diff = max(abs(losses[s] - ref[s]) for s in losses)
+    return f"{losses[steps]:.4f} | {losses[steps] - ref[steps]:+.4f} | {diff:.4f}"
 
 
 def presets(args) -> None:
     rows, ref = [], None
     for config in args.presets:
-        with tempfile.TemporaryDirectory() as tmp:
-            run = train(
-                Path(tmp), "--training.steps", str(args.steps), "--checkpoint.no-enable", "--debug.seed", "0",
-                config=config, timeout=7200,
-            )  # fmt: skip
-            losses = run.losses
-            state = json.loads((run.folder / "state_bytes.json").read_text())
+        losses, _, state = _train(args.steps, None, [], config)
         ref = ref or losses
         per_param = state["measured"]["bytes_per_param"]["total"]
         saved = (state.get("saved_bytes_per_token") or {}).get("stored")
-        diff = max(abs(losses[s] - ref[s]) for s in losses)
         rows.append(
             f"| {config} | {per_param:.2f} | {f'{saved:,.0f}' if saved else 'not counted'} | "
-            f"{losses[args.steps]:.4f} | {losses[args.steps] - ref[args.steps]:+.4f} | {diff:.4f} |"
+            f"{_losses(losses, ref, args.steps)} |"
         )
         print(rows[-1], flush=True)
     print(f"\n{args.steps} steps\n")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from low_bits_training.config.section import checked_spec
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec
 
@@ -80,19 +81,15 @@ def wire_spec(wire: WireFormat, collective: str) -> QuantSpec | None:
     if wire.scaling not in SCALINGS[collective]:
         allowed = ", ".join(SCALINGS[collective])
         raise ConfigError(f"{where}.scaling = {wire.scaling!r}: expected one of {allowed}")
-    try:
-        return QuantSpec(
-            wire.format,
-            wire.scaling,
-            block_size=wire.block_size,
-            scale_format=wire.scale_format,
-            scale_rounding=wire.scale_rounding,
-            rounding=wire.rounding,
-        )
-    except (TypeError, ValueError) as e:
-        msg = str(e).splitlines()[0]
-        named = msg.replace("QuantSpec.", f"{where}.")  # the field's TOML key, when the message names one
-        raise ConfigError(named if named != msg else f"{where}: {msg}") from None
+    return checked_spec(
+        where,
+        wire.format,
+        wire.scaling,
+        block_size=wire.block_size,
+        scale_format=wire.scale_format,
+        scale_rounding=wire.scale_rounding,
+        rounding=wire.rounding,
+    )
 
 
 def check_shard_degree(cfg: CommConfig, dp_shard: int) -> None:

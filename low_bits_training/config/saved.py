@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
-from low_bits_training.config.section import AtLeast, Section
+from low_bits_training.config.section import AtLeast, Section, checked_spec
 from low_bits_training.config.tree import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.formats.spec import ScaleFormat, ScaleRounding
@@ -92,20 +92,16 @@ def rule_format(rule: SavedRule, where: str) -> SavedFormat:
     fmt = rule.format.lower()
     if fmt == HIGH or fmt in CASTS:
         return SavedFormat(None, None if fmt == HIGH else fmt, rule.min_numel, 0)
-    try:
-        spec = QuantSpec(
-            fmt,
-            rule.scaling,
-            block_size=rule.block_size,
-            scale_format=rule.scale_format,
-            scale_rounding=rule.scale_rounding,
-            rounding=rule.rounding,
-            saturate=rule.saturate,
-        )
-    except (TypeError, ValueError) as e:
-        msg = str(e).splitlines()[0]
-        named = msg.replace("QuantSpec.", f"{where}.")
-        raise ConfigError(named if named != msg else f"{where}: {msg}") from None
+    spec = checked_spec(
+        where,
+        fmt,
+        rule.scaling,
+        block_size=rule.block_size,
+        scale_format=rule.scale_format,
+        scale_rounding=rule.scale_rounding,
+        rounding=rule.rounding,
+        saturate=rule.saturate,
+    )
     if spec.elem.bits > 8:
         raise ConfigError(f"{where}.format = {rule.format!r}: a save is held in codes of <= 8 bits, or as "
                           f"{' / '.join(CASTS)}; use one of those or 'high'")  # fmt: skip

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from low_bits_training.config.tree import Checked, ConfigError, coerce, field_types
+from low_bits_training.formats import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -104,3 +105,18 @@ class Section(Checked):
     def check(self) -> None:
         """Raises: ConfigError (one line) for the first field that does not fit its type or rules."""
         check_fields(self, self.SECTION)
+
+
+def checked_spec(where: str, *args: Any, **fields: Any) -> QuantSpec:
+    """``QuantSpec(*args, **fields)`` of a section's fields; a refusal is one ``ConfigError`` line under the
+    section's key (``quantize.saved[0].block_size = 0: ...`` where QuantSpec names the field).
+
+    Raises:
+        ConfigError: QuantSpec refused the fields.
+    """
+    try:
+        return QuantSpec(*args, **fields)
+    except (TypeError, ValueError) as e:
+        msg = str(e).splitlines()[0]
+        named = msg.replace("QuantSpec.", f"{where}.")  # the field's TOML key, when the message names one
+        raise ConfigError(named if named != msg else f"{where}: {msg}") from None
