@@ -171,6 +171,22 @@ def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
     return [Check("fallback", "WARN", f"{', '.join(labels)}: {why}") for why, labels in rows]
 
 
+def check_saved(config: Any, hw: Hardware) -> list[Check]:
+    """One OK row for ``[[quantize.saved]]`` (none without rules): each format and the modules that keep
+    their saves in it (the run resolved them: ``titan.plan.saved``)."""
+    from low_bits_training.titan.plan import targets
+
+    by_format: dict[str, list[str]] = {}
+    for fqn, fmt in targets.run_of(config, hw).saved.items():
+        by_format.setdefault(fmt.label, []).append(fqn)
+    if not by_format:
+        return []
+    detail = "; ".join(
+        f"{label}: {len(m)} modules ({m[0]}{' ...' if len(m) > 1 else ''})" for label, m in by_format.items()
+    )
+    return [Check("saved", "OK", detail + " (parameters, softmax statistics and small tensors kept as made)")]
+
+
 def check_compile(config: Any, hw: Hardware) -> Check:
     """torch.compile against the backends: torchao's kernels want it; torchao's emulated mode on a GPU with
     compile is what torchtitan refuses (it runs on a CPU with torch 2.14.1, tested; untested on GPUs)."""
@@ -312,7 +328,8 @@ def config_checks(
     status, config = resolve_run(config_file, args, env, stand_in=True)
     if config is None:
         return [status], False
-    checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), check_compile(config, hw)]
+    checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]
+    checks.append(check_compile(config, hw))
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     budget, why = state_budget(config, env)
     checks.append(check_state_bytes(budget, why))

@@ -423,3 +423,11 @@ def test_state_bytes_row_and_checkpoint_estimate_follow_the_optimizer(
     detail = rows["state bytes"].detail
     assert rows["state bytes"].status == "OK" and detail.startswith(head) and moments in detail
     assert f"checkpoints need ~{checkpoints:.2f} GiB" in rows["disk"].detail
+
+
+def test_saved_row_shows_the_lean_presets_save_format_and_its_state_bytes(clean_env):
+    rows = by_name(doctor.run_checks(str(REPO / "train_configs" / "debug_lean.toml"), [], {"NGPU": "1"}))
+    assert rows["saved"].status == "OK"
+    assert rows["saved"].detail.startswith("e4m3/axis-1(fp32,exact)/rne: 6 modules (layers.0 ...)")
+    assert rows["state bytes"].detail.startswith("5.07 B/param")
+    assert "saved" not in by_name(doctor.run_checks(str(DEBUG), [], {"NGPU": "1"}))  # no rules, no row
