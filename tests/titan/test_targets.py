@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, train, write_toml
-from low_bits_training.titan.plan import attention, comm, moe, quantize, targets
+from low_bits_training.titan.plan import attention, comm, moe, quantize, saved, targets
 
 PRESETS = sorted(
     [*REPO.glob("train_configs/debug_*.toml"), *REPO.glob("train_configs/recipes/debug_*.toml")],
@@ -31,7 +31,7 @@ def _load(path: Path, *args: str):
 
 
 def test_every_kind_module_is_one_registry_entry():
-    assert targets.TARGETS == (comm.KIND, quantize.KIND, moe.KIND, attention.KIND)
+    assert targets.TARGETS == (comm.KIND, quantize.KIND, moe.KIND, attention.KIND, saved.KIND)
     assert len({k.name for k in targets.TARGETS}) == len(targets.TARGETS)
 
 
@@ -42,6 +42,7 @@ def test_no_other_module_enumerates_the_kinds():
         moe: ("expert_layers", "convert_experts", "expert_plans", "grouped_module_label"),
         attention: ("attention_layers", "convert_attention", "attention_plans", "product_module_label"),
         comm: ("apply_comm",),
+        saved: ("with_saved_hooks", "stat_tails", "codec_of"),
     }
     package = REPO / "low_bits_training"
     for module, names in per_kind.items():
