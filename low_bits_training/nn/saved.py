@@ -1,9 +1,10 @@
 """Saved activations in a low-bit format: autograd's saved-tensor hooks around chosen modules.
 
 While a chosen module runs its forward, every tensor autograd saves for the backward passes through
-``pack``: a floating activation of at least ``min_numel`` elements is stored as codes + scales
-(``formats.quantize``) or as a plain bf16 / fp16 copy, and the backward reads back the decoded values
-(``formats.dequantize``, in the tensor's own dtype). Parameters and their views (a linear's ``W^T``), the
+``pack``: a floating activation of at least ``min_numel`` elements is stored by the module's codec as codes
++ scales or as a plain bf16 / fp16 copy (``ReferenceCodec``: ``formats.quantize``; the run uses
+``titan.plan.saved.SaveCodec``, equal to it bit for bit), and the backward reads back the decoded values in
+the tensor's own dtype and layout. Parameters and their views (a linear's ``W^T``), the
 softmax statistics of attention (``SaveFormat.keep_tails``), integer and 1-byte tensors (a quantized
 layer's own codes) and small tensors are kept as they are. A tensor saved twice in one forward (a SwiGLU
 input that both w1 and w3 save) is packed once (also when two modules save it: the mask every block is given).
@@ -178,10 +179,9 @@ class SavedHooks:
         if held(t):
             return t  # not an activation: not counted either
         hit = _SEEN.get(id(t))
+        # the same tensor saved again, here or by another module (a mask every block gets): packed once
         if hit is not None and hit[0]() is t and hit[1]() is not None:
-            return hit[
-                1
-            ]()  # the same tensor saved again, here or by another module (a mask every block gets)
+            return hit[1]()
         if self._keep(t):
             packed, stored = t, t.numel() * t.element_size()
         else:
@@ -227,8 +227,3 @@ def install(module: torch.nn.Module, fqn: str, fmt: SaveFormat) -> None:
     module.lbt_saved = SavedHooks(fqn, fmt)
     if not getattr(type(module), "lbt_saving", False):
         module.__class__ = _saving_class(type(module))
-
-
-def installed(model: torch.nn.Module) -> dict[str, SaveFormat]:
-    """FQN -> format of every module of ``model`` whose saves are hooked."""
-    return {fqn: m.lbt_saved.fmt for fqn, m in model.named_modules() if hasattr(m, "lbt_saved")}
