@@ -34,11 +34,11 @@ def modules_of(model_config) -> list[str]:
 def last_dims(model_config, shapes: dict) -> dict[str, set[int]]:
     """Module FQN -> the last dims of what it may save: the in / out features of the GEMM entries under it
     and the head dim of attention modules under it."""
-    heads = {}
-    for fqn, cfg, _, _ in model_config.traverse(Module.Config, recurse=True):
-        for key in ("head_dim",):
-            if isinstance(getattr(cfg, key, None), int):
-                heads[fqn] = cfg.head_dim
+    heads = {
+        fqn: cfg.head_dim
+        for fqn, cfg, _, _ in model_config.traverse(Module.Config, recurse=True)
+        if isinstance(getattr(cfg, "head_dim", None), int)
+    }
     out: dict[str, set[int]] = {}
     for m in modules_of(model_config):
         under = functools.partial(_under, m)
