@@ -10,8 +10,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 tier=(-m "not slow or smoke")
 if [[ "${1:-}" == "--all" ]]; then
   # One process used about one of two cores (launcher start-up, imports, inductor are serial); a file's tests stay
-  # on one worker, so its module fixtures run once.
-  tier=(-n "${LBT_TEST_WORKERS:-2}" --dist loadfile)
+  # on one worker, so its module fixtures run once; the longest files go first (tests/conftest.py, file_seconds.json).
+  tier=(-n "${LBT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
   shift
 fi
 source scripts/ensure_venv.sh dev

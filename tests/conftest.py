@@ -7,6 +7,7 @@ process, a compile), never by hand.
 """
 
 import hashlib
+import json
 import os
 import sys
 from importlib.metadata import version
@@ -55,3 +56,49 @@ def pytest_collection_modifyitems(config, items) -> None:
         params = item.callspec.params if hasattr(item, "callspec") else None
         if slow_reason([item.function, *fixtures], slow, params):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = longest_files_first(items)
+
+
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+"""Seconds each test file took in the full tier (2 xdist workers, 1 thread each, a 2-core machine), as
+recorded by ``LBT_RECORD_SECONDS=1 ./run_tests.sh --all``. Only the order of files depends on it."""
+
+
+def longest_files_first(items: list) -> list:
+    """The items grouped by file, the longest files first (each file's own order kept).
+
+    ``./run_tests.sh --all`` hands whole files to two xdist workers in collection order
+    (``--no-loadscope-reorder``; xdist's own order puts files with many short tests first and left the long
+    launcher files to one worker at the end). Longest first keeps the two workers' ends close. A file not in
+    ``file_seconds.json`` is estimated from its tests (30 s a slow one, 0.2 s any other).
+    """
+    recorded = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def seconds(path: str) -> float:
+        if path in recorded:
+            return recorded[path]
+        return sum(30.0 if item.get_closest_marker("slow") else 0.2 for item in by_file[path])
+
+    order = sorted(by_file, key=seconds, reverse=True)  # stable: ties keep collection order
+    return [item for path in order for item in by_file[path]]
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """With ``LBT_RECORD_SECONDS`` set, add each phase's time (setup, call, teardown) to its file's total."""
+    if os.environ.get("LBT_RECORD_SECONDS"):
+        path = report.nodeid.split("::")[0]
+        _seconds[path] = _seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    """With ``LBT_RECORD_SECONDS`` set, write the files' seconds (on the controller when under xdist)."""
+    if _seconds and not os.environ.get("PYTEST_XDIST_WORKER"):
+        ordered = dict(sorted(((p, round(s, 1)) for p, s in _seconds.items()), key=lambda x: -x[1]))
+        FILE_SECONDS.write_text(json.dumps(ordered, indent=1) + "\n")

@@ -47,6 +47,18 @@ _NATIVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 @functools.cache
+def store_scales(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """Scales (on ``scale_format``'s grid) as stored: fp32 / bf16 / fp16 as that dtype, e8m0 / ue4m3 / any
+    other format as its one-byte codes; exact either way."""
+    dtype = _NATIVE_DTYPES.get(scale_format)
+    return scale.to(dtype) if dtype is not None else encode(scale, scale_format)
+
+
+def read_scales(stored: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """fp32 scales of what ``store_scales`` stored."""
+    return stored.float() if scale_format in _NATIVE_DTYPES else decode_codes(stored, scale_format)
+
+
 def _lut(fmt: str, device: torch.device) -> torch.Tensor:
     """fp32 value of every code of an (<= 8-bit) format: eager decoding becomes one gather."""
     f = get_format(fmt)
@@ -239,9 +251,7 @@ class StateCodec:
         shapes = self.part_shapes(tuple(x.shape))
         parts = {"_codes": pack_rows(codes, spec.elem.bits).reshape(shapes["_codes"])}
         if scale is not None:
-            sf = spec.scale_format
-            s = scale.reshape(shapes["_scales"])
-            parts["_scales"] = s.to(_NATIVE_DTYPES[sf]) if sf in _NATIVE_DTYPES else encode(s, sf)
+            parts["_scales"] = store_scales(scale.reshape(shapes["_scales"]), spec.scale_format)
         return parts
 
     def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -253,8 +263,7 @@ class StateCodec:
         y = decode_codes(unpack_rows(codes.reshape(-1, codes.shape[-1]), spec.elem.bits), spec.format)
         if spec.scaling != "block":
             return y.reshape(shape)
-        s = parts["_scales"]
-        s = s.float() if spec.scale_format in _NATIVE_DTYPES else decode_codes(s, spec.scale_format)
+        s = read_scales(parts["_scales"], spec.scale_format)
         return (y.reshape(-1, spec.block_size) * s.reshape(-1, 1)).reshape(shape)
 
     def zeros(self, shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:

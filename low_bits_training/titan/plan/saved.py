@@ -16,14 +16,11 @@ import torch
 from torchtitan.protocols.module import Module
 
 from low_bits_training.config.saved import SavedFormat, resolve_saved
-from low_bits_training.formats import QuantSpec, encode, group_scales, grouped_shape
+from low_bits_training.formats import QuantSpec, group_scales, grouped_shape
 from low_bits_training.nn import saved as nn_saved
 from low_bits_training.nn.state import clean_fqn
-from low_bits_training.optim.codec import StateCodec, decode_codes
+from low_bits_training.optim.codec import StateCodec, read_scales, store_scales
 from low_bits_training.titan.plan.target import TargetKind
-
-_SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""Scale formats stored as a torch dtype; e8m0 / ue4m3 scales are stored as their one-byte codes."""
 
 
 def modules_of(model_config) -> list[str]:
@@ -91,16 +88,14 @@ class SaveCodec:
         if self.spec.scaling in ("tensor", "axis"):
             scale = group_scales(x, self.spec, grouped_shape(x.shape, self.spec)[1]).scale
             x = x / scale
-            sf = self.spec.scale_format  # the scales are on its grid: stored in its own width, exactly
-            stored = scale.to(_SCALE_DTYPES[sf]) if sf in _SCALE_DTYPES else encode(scale, sf)
+            stored = store_scales(scale, self.spec.scale_format)  # on its grid: exact in its own width
         return self.rows.encode(x), stored, t.shape, t.dtype
 
     def decode(self, packed) -> torch.Tensor:
         parts, stored, shape, dtype = packed
         y = self.rows.decode(parts, (shape.numel() // shape[-1], shape[-1]))
         if stored is not None:
-            sf = self.spec.scale_format
-            y = y * (stored.float() if sf in _SCALE_DTYPES else decode_codes(stored, sf))
+            y = y * read_scales(stored, self.spec.scale_format)
         return y.reshape(shape).to(dtype)
 
     @staticmethod
