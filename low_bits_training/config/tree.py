@@ -9,6 +9,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal, Union
@@ -29,8 +30,10 @@ class Checked:
         """Raises: ConfigError (one line) when the fields do not fit together."""
 
 
+@functools.cache
 def field_types(cls: type) -> dict[str, Any]:
-    """``{field name: annotation}`` of a dataclass, ``Annotated`` metadata kept (named choices, bounds)."""
+    """``{field name: annotation}`` of a dataclass, ``Annotated`` metadata kept (named choices, bounds); read
+    once per class (callers only read it)."""
     try:
         return typing.get_type_hints(cls, include_extras=True)  # keep Annotated: named choices
     except Exception:  # unresolvable forward references: fall back to the raw annotations

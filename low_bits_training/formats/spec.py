@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
-from typing import Literal, get_args, get_type_hints
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from .table import get_format
 
@@ -18,6 +19,17 @@ Source = Literal["high", "forward"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 _ROUNDING_LABEL = {"nearest": "rne", "stochastic": "sr", "toward_zero": "rtz"}
+
+
+@functools.cache
+def choice_fields(cls: type) -> tuple[tuple[str, tuple], ...]:
+    """``(field name, allowed values)`` of each field of dataclass ``cls`` whose annotation is a ``Literal``
+    (read once per class: resolving annotations costs about a millisecond, and specs are made by the
+    thousand when a plan resolves)."""
+    hints = get_type_hints(cls)
+    return tuple(
+        (f.name, get_args(hints[f.name])) for f in fields(cls) if get_origin(hints[f.name]) is Literal
+    )
 
 
 @dataclass(frozen=True)
@@ -80,11 +92,9 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         get_format(self.format)  # raises the one-line unknown-format error
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            allowed = get_args(hints[f.name])
-            if allowed and getattr(self, f.name) not in allowed:
-                raise ValueError(f"QuantSpec.{f.name}={getattr(self, f.name)!r} is not one of {allowed}")
+        for name, allowed in choice_fields(type(self)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"QuantSpec.{name}={getattr(self, name)!r} is not one of {allowed}")
         self._check_numbers()
 
     def _check_numbers(self) -> None:

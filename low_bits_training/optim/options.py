@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal
 
 from low_bits_training.formats import QuantSpec
+from low_bits_training.formats.spec import choice_fields
 
 from .presets import allowed_names, parse_state_format
 
@@ -52,17 +53,10 @@ class _Common:
     "for-loop": false) unless ``optimizer_kwargs`` name it."""
 
     def __post_init__(self) -> None:
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            allowed = get_args(hints[f.name])
-            value = getattr(self, f.name)
-            if (
-                f.name != "master_weights"
-                and allowed
-                and all(isinstance(a, str) for a in allowed)
-                and value not in allowed
-            ):
-                raise ValueError(f"{f.name}={value!r}: allowed {list(allowed)}")
+        for name, allowed in choice_fields(type(self)):
+            value = getattr(self, name)
+            if name != "master_weights" and all(isinstance(a, str) for a in allowed) and value not in allowed:
+                raise ValueError(f"{name}={value!r}: allowed {list(allowed)}")
         for key in ("lr", "weight_decay"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
