@@ -145,3 +145,22 @@ def test_report_table_says_which_step_the_final_loss_is_from(tmp_path):
     head, row = re.findall(r"<tr>(.*?)</tr>", table)
     cells = dict(zip(re.findall(r"<th>(.*?)</th>", head), re.findall(r"<td>(.*?)</td>", row), strict=True))
     assert (cells["final step"], cells["final loss"], cells["median tok/s/proc"]) == ("6/6", "5.5", "2050")
+
+
+def test_the_autopilots_decisions_get_their_own_table(tmp_path):
+    from low_bits_training.report.build import build_report
+    from low_bits_training.report.runs import load_run
+
+    _metrics(tmp_path, [_row(1, 8.2, 100.0), _row(2, 8.1, 100.0)], steps=2)
+    decision = {"step": 1, "layer": "layers.1.feed_forward.w1", "role": "forward.input",
+                "trigger": "nonfinite", "value": "forward.output", "before": "e2m5/none/rne/nosat",
+                "after": "e4m3/none/rne/nosat", "rung": "e4m3"}  # fmt: skip
+    (tmp_path / "autopilot.jsonl").write_text(json.dumps(decision) + "\n")
+    assert load_run(tmp_path).decisions == [decision]
+    page = build_report([tmp_path], tmp_path / "out").read_text()
+    assert "(1 promotions)</h2>" in page
+    table = re.search(r'<table id="autopilot">(.*?)</table>', page).group(1)
+    assert re.findall(r"<td>(.*?)</td>", re.findall(r"<tr>(.*?)</tr>", table)[1]) == [
+        "1", "layers.1.feed_forward.w1", "forward.input", "nonfinite", "forward.output",
+        "e2m5/none/rne/nosat", "e4m3/none/rne/nosat",
+    ]  # fmt: skip

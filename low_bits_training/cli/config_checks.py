@@ -187,6 +187,37 @@ def check_saved(config: Any, hw: Hardware) -> list[Check]:
     return [Check("saved", "OK", detail + " (parameters, softmax statistics and small tensors kept as made)")]
 
 
+def check_autopilot(config: Any, hw: Hardware) -> list[Check]:
+    """One row for ``[quantize.autopilot]`` (none when off): its ladder and triggers, and how many quantized
+    linear layers it can promote (ours: a layer torchao runs cannot take another plan mid-run); WARN when
+    that is none."""
+    from low_bits_training.titan.plan import targets
+
+    pilot = config.quantize.autopilot
+    if not pilot.enable:
+        return []
+    run = targets.run_of(config, hw)
+    ours = [
+        fqn
+        for fqn, plan in run.plans.items()
+        if run.switchable(fqn)
+        and not plan.is_high_precision
+        and all(b in ("emulate", "real") for b in plan.backends)
+    ]
+    fired = [("nonfinite", pilot.nonfinite), (f"saturation > {pilot.saturation:g}", pilot.saturation)]
+    fired += [
+        (f"underflow > {pilot.underflow:g}", pilot.underflow),
+        (f"SQNR < {pilot.sqnr_db:g} dB", pilot.sqnr_db),
+    ]
+    detail = (
+        f"ladder {' -> '.join(pilot.ladder)}; triggers: {', '.join(n for n, on in fired if on) or 'none'}"
+    )
+    if not ours:
+        fix = 'quantize some layer with backend = "emulate" or "auto" (not torchao), or turn it off'
+        return [Check("autopilot", "WARN", f"{detail}; no quantized layer of ours to promote", fix)]
+    return [Check("autopilot", "OK", f"{detail}; watches {len(ours)} quantized linear layers")]
+
+
 def check_compile(config: Any, hw: Hardware) -> Check:
     """torch.compile against the backends: torchao's kernels want it; torchao's emulated mode on a GPU with
     compile is what torchtitan refuses (it runs on a CPU with torch 2.14.1, tested; untested on GPUs)."""
@@ -329,6 +360,7 @@ def config_checks(
     if config is None:
         return [status], False
     checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]
+    checks += check_autopilot(config, hw)
     checks.append(check_compile(config, hw))
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     budget, why = state_budget(config, env)

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
+from low_bits_training.config.autopilot import AutopilotConfig
 from low_bits_training.config.comm import CommConfig
 from low_bits_training.config.saved import SavedRule
 from low_bits_training.config.section import AtLeast, Retired, Section
@@ -186,6 +187,9 @@ class QuantizeConfig(Section):
     """``[quantize.comm]``: low-bit FSDP2 weight all-gather and gradient reduce-scatter (config/comm.py)."""
     saved: list[SavedRule] = field(default_factory=list)
     """``[[quantize.saved]]``: the format of what chosen modules save for the backward (config/saved.py)."""
+    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    """``[quantize.autopilot]``: promote a failing role of a layer up a ladder during the run
+    (config/autopilot.py)."""
 
 
 TargetKind = Literal["linear", "router", "experts", "qk", "pv"]

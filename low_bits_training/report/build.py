@@ -49,6 +49,17 @@ WHATIF_COLUMNS = (
 )
 
 
+DECISION_COLUMNS = (
+    ("step", "step"),
+    ("layer", "layer"),
+    ("role", "role"),
+    ("trigger", "trigger"),
+    ("value", "figure"),
+    ("before", "before"),
+    ("after", "after"),
+)
+
+
 def _table(rows: list[dict[str, Any]], columns=COLUMNS, table_id: str = "numbers") -> str:
     head = "".join(f"<th>{label}</th>" for _, label in columns)
     body = "".join("<tr>" + "".join(f"<td>{_fmt(r[k])}</td>" for k, _ in columns) + "</tr>" for r in rows)
@@ -99,6 +110,11 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
         paths = per_run[run.name]
         if any(paths):
             parts += [f"<h2>Numerics: {html.escape(run.name)}</h2>", *(_img(p) for p in paths if p)]
+        if run.decisions:  # [quantize.autopilot]: every promotion of the run
+            parts += [
+                f"<h2>Autopilot: {html.escape(run.name)} ({len(run.decisions)} promotions)</h2>",
+                _table(run.decisions, DECISION_COLUMNS, "autopilot"),
+            ]
         alt = whatif_summary(run)
         if alt:  # [numerics] whatif: other formats measured on the same live tensors
             parts += [

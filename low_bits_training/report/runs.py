@@ -1,5 +1,6 @@
 """The one reader of run folders, for ``lbt-report``, ``lbt-sweep`` and ``lbt-scaling``: ``metrics.jsonl``
-(loss, throughput, memory) and ``numerics.jsonl`` (statistics), and the numbers every table shows.
+(loss, throughput, memory), ``numerics.jsonl`` (statistics) and ``autopilot.jsonl`` (the autopilot's
+decisions), and the numbers every table shows.
 
 The numbers every table (sweep, scaling, report) shows come from here:
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from low_bits_training.config.autopilot import AUTOPILOT_FILE
 from low_bits_training.config.runfolder import (
     FIRST_LOG,
     LOSS,
@@ -52,6 +54,8 @@ class RunData:
     """Rows of numerics.jsonl of the plan's own casts: one per (step, layer, role)."""
     whatif: list[dict[str, Any]] = field(default_factory=list)
     """Rows of numerics.jsonl of what-if formats (``[numerics] whatif``): one per (step, layer, role, name)."""
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    """Rows of autopilot.jsonl (``[quantize.autopilot]``): one per promotion, in step order."""
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of one metric (steps that do not have it are left out)."""
@@ -143,7 +147,8 @@ def load_run(folder: str | Path) -> RunData:
         raise FileNotFoundError(f"{folder}: no {METRICS_FILE} or {NUMERICS_FILE} (is it a run folder?)")
     own = [r for r in numerics if "whatif" not in r]
     alt = [r for r in numerics if "whatif" in r]
-    return RunData(folder.resolve().name, folder, metrics, own, alt)
+    decisions = read_jsonl(folder / AUTOPILOT_FILE)
+    return RunData(folder.resolve().name, folder, metrics, own, alt, decisions)
 
 
 def whatif_summary(run: RunData) -> list[dict[str, Any]]:

@@ -431,3 +431,16 @@ def test_saved_row_shows_the_lean_presets_save_format_and_its_state_bytes(clean_
     assert rows["saved"].detail.startswith("e4m3/axis-1(fp32,exact)/rne: 6 modules (layers.0 ...)")
     assert rows["state bytes"].detail.startswith("5.07 B/param")
     assert "saved" not in by_name(doctor.run_checks(str(DEBUG), [], {"NGPU": "1"}))  # no rules, no row
+
+
+def test_autopilot_row_names_its_ladder_triggers_and_the_layers_it_watches(clean_env):
+    on = ["--quantize.autopilot.enable", "--quantize.autopilot.ladder", "nvfp4,mxfp8,high"]
+    rows = by_name(doctor.run_checks(str(DEBUG), [*on, "--quantize.recipe", "nvfp4"], {"NGPU": "1"}))
+    assert rows["autopilot"].status == "OK"
+    assert rows["autopilot"].detail == (
+        "ladder nvfp4 -> mxfp8 -> high; triggers: nonfinite, saturation > 0.01, underflow > 0.5; "
+        "watches 30 quantized linear layers"
+    )  # the debug model: 6 blocks x 5 linears (wqkv, wo, w1, w2, w3); lm_head skipped
+    bf16 = by_name(doctor.run_checks(str(DEBUG), on, {"NGPU": "1"}))
+    assert bf16["autopilot"].status == "WARN" and "no quantized layer of ours" in bf16["autopilot"].detail
+    assert "autopilot" not in by_name(doctor.run_checks(str(DEBUG), [], {"NGPU": "1"}))  # off: no row

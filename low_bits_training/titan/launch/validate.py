@@ -185,6 +185,28 @@ def check_numerics(config: Any, layout: Layout) -> None:
             )
 
 
+def check_autopilot(config: Any, layout: Layout) -> None:
+    """``[quantize.autopilot]`` reads the layers' NaN flags and statistics and switches their plans.
+
+    Raises:
+        ConfigError: the autopilot on under pipeline parallelism (a stage cannot name another stage's
+            roles), or its non-finite trigger with ``numerics.nonfinite = "off"`` (no flags to read).
+    """
+    pilot = config.quantize.autopilot
+    if not pilot.enable:
+        return
+    if layout.pp > 1:
+        raise ConfigError(
+            f"quantize.autopilot.enable = true: not under pipeline parallelism (pipeline_parallel_degree = "
+            f"{layout.pp}); turn one of them off"
+        )
+    if pilot.nonfinite and config.numerics.nonfinite == "off":
+        raise ConfigError(
+            'quantize.autopilot.nonfinite = true reads the layers\' NaN flags: set numerics.nonfinite to "warn", '
+            '"skip" or "stop", or quantize.autopilot.nonfinite = false'
+        )
+
+
 def model_as_trained(config: Any) -> Any:
     """A copy of the model config as the trainer will hold it (after ``update_from_config``).
 
@@ -237,5 +259,6 @@ def check_run(config: Any, world_size: int) -> str | None:
     check_sequence(config, layout)
     check_comm(config, layout)
     check_numerics(config, layout)
+    check_autopilot(config, layout)
     model = model_as_trained(config)
     return preflight(config, trained_fingerprint(config, model), layout.data_ranks)

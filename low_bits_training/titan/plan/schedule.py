@@ -24,7 +24,8 @@ import torch
 from torchtitan.tools.logging import logger
 
 from low_bits_training.config.schedule import PhasePlan, Schedule
-from low_bits_training.nn import LinearPlan, ProbeMode, probe
+from low_bits_training.formats import QuantSpec
+from low_bits_training.nn import ROLE_NAMES, LinearPlan, ProbeMode, probe
 from low_bits_training.nn.state import QuantState
 
 _BLOCK = re.compile(r"^(layers\.\d+)\.")
@@ -44,15 +45,55 @@ class PrecisionSchedule:
         self.schedule = schedule
         self.layers = layers
         self.current: PhasePlan | None = None
+        self.overrides: dict[str, dict[str, QuantSpec | None]] = {}
+        """Layer FQN -> role -> the spec that role keeps over every phase's (the autopilot's promotions)."""
+        self._merged: dict[tuple, LinearPlan] = {}  # one object per distinct plan: compile guards on it
 
     @property
     def active(self) -> bool:
         """True when the run uses more than one plan."""
         return len(self.schedule.all()) > 1
 
+    def plan_of(self, fqn: str, base: LinearPlan) -> LinearPlan:
+        """``base`` (a phase's plan of layer ``fqn``) with the layer's overrides on top (the same object for
+        the same result each time).
+
+        Raises:
+            ValueError: the overrides make a plan ``LinearPlan`` refuses.
+        """
+        ours = self.overrides.get(fqn)
+        if not ours:
+            return base
+        key = (base, tuple(sorted(ours.items(), key=lambda kv: kv[0])))
+        if key not in self._merged:
+            specs = tuple(ours.get(r, s) for r, s in zip(ROLE_NAMES, base.specs, strict=True))
+            self._merged[key] = LinearPlan(specs, base.backends)
+        return self._merged[key]
+
+    def override(self, fqn: str, role: str, spec: QuantSpec | None) -> LinearPlan:
+        """Keep ``role`` of layer ``fqn`` in ``spec`` from now on, whatever the phase; returns its new plan.
+
+        Raises:
+            KeyError: ``fqn`` is not a switchable layer of this rank.
+            ValueError: the plan with that spec is refused (the override is not kept).
+        """
+        layer = dict(self.layers)[fqn]
+        before = dict(self.overrides.get(fqn, {}))
+        self.overrides.setdefault(fqn, {})[role] = spec
+        try:
+            layer.plan = self.plan_of(fqn, self._base(fqn))
+        except ValueError:
+            self.overrides[fqn] = before
+            raise
+        return layer.plan
+
+    def _base(self, fqn: str) -> LinearPlan:
+        phase = self.current or self.schedule.at(1)
+        return phase.plans[fqn]
+
     def _apply(self, plans: dict[str, LinearPlan]) -> None:
         for fqn, layer in self.layers:
-            layer.plan = plans[fqn]
+            layer.plan = self.plan_of(fqn, plans[fqn])
 
     def begin_step(self, step: int) -> None:
         """Give every layer the plan of ``step``'s phase (a no-op inside a phase)."""
@@ -106,16 +147,17 @@ def block_plans(schedule: Schedule) -> set[tuple]:
     return out
 
 
-def raise_recompile_limit(schedule: Schedule, stats: bool) -> int:
+def raise_recompile_limit(schedule: Schedule, stats: bool, promotions: int = 0) -> int:
     """Raise dynamo's per-code-object recompile limit to what this schedule needs (never lower it).
 
     Each distinct block plan compiles one graph per probe mode (statistics on / off) and one more for the
-    validator's no-grad forward; two extra for anything else.
+    validator's no-grad forward; two extra for anything else. Each of ``promotions`` (the autopilot's cap)
+    may make one more block plan.
 
     Returns:
         The limit now in force.
     """
-    need = len(block_plans(schedule)) * ((2 if stats else 1) + 1) + 2
+    need = (len(block_plans(schedule)) + promotions) * ((2 if stats else 1) + 1) + 2
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, need)
     return cfg.recompile_limit
@@ -139,5 +181,8 @@ def install(trainer, run) -> PrecisionSchedule:
     if getattr(trainer, "validator", None) is not None and config.validator.enable:
         trainer.validator = EvalPrecision(trainer.validator, sched)
     if config.compile.enable:
-        raise_recompile_limit(sched.schedule, bool(config.numerics.stats_freq))
+        pilot = config.quantize.autopilot
+        promotions = pilot.max_promotions if pilot.enable else 0
+        stats = bool(config.numerics.stats_freq) or (pilot.enable and pilot.stat_triggers)
+        raise_recompile_limit(sched.schedule, stats, promotions)
     return sched

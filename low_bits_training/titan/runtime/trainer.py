@@ -14,6 +14,7 @@ from low_bits_training.config.profiling import ProfilingConfig
 from low_bits_training.config.secrets import redact
 from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
+from low_bits_training.nn import saved as nn_saved
 from low_bits_training.titan.plan.comm import log_comm_bytes
 from low_bits_training.titan.plan.delayed import install as install_amax_group
 from low_bits_training.titan.plan.saved import log_saved_bytes
@@ -21,6 +22,7 @@ from low_bits_training.titan.plan.schedule import install as install_schedule
 from low_bits_training.titan.plan.targets import live, run_of
 from low_bits_training.titan.platform.ranks import rank
 from low_bits_training.titan.runtime import budget
+from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable
 from low_bits_training.titan.runtime.checkpoint import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
 
@@ -77,11 +79,18 @@ class LowBitsTrainer(Trainer):
         rank) (nn/rng.py). A resumed run then draws the same numbers as an uninterrupted one, with no RNG
         state to checkpoint, compiled or eager.
         """
-        torch.manual_seed(step_seed(self._rng_base_seed, self.step))
-        self._microbatch = 0
-        self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
-        with extras_for(self).step(self.step):
-            super().train_step(data_iterator)
+        batches = Replayable(data_iterator)
+        while True:
+            torch.manual_seed(step_seed(self._rng_base_seed, self.step))
+            self._microbatch = 0
+            self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
+            try:
+                with extras_for(self).step(self.step):
+                    super().train_step(batches)
+                break
+            except RedoStep:  # [quantize.autopilot] promoted a role: the step again, same batches
+                batches.rewind()
+                nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
         per_token = log_saved_bytes(
             self

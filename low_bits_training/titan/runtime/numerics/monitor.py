@@ -74,14 +74,19 @@ class NumericsMonitor:
         model_parts: list[torch.nn.Module],
         dump_folder: str,
         layer_probes: bool = True,
+        stats_steps=None,
+        agree: bool = False,
     ):
         """``layer_probes`` False (``layer_probes_work``): the layers record nothing; the non-finite policy
-        still checks each microbatch's loss and the gradients."""
+        still checks each microbatch's loss and the gradients. ``stats_steps``: a ``step -> bool`` that asks
+        for statistics on more steps than ``stats_freq`` (the autopilot's). ``agree``: every rank returns
+        the same first non-finite value whatever the policy (the autopilot acts on it on every rank)."""
         self.cfg, self.dump_folder, self.layer_probes = config, dump_folder, layer_probes
+        self.stats_steps, self.agree = stats_steps, agree
         self.step, self.stats_on, self.skip = 0, False, False
         self.layers = live_targets(model_parts)
         self.params = [(n, p) for m in model_parts for n, p in m.named_parameters()]
-        self.active = bool(config.stats_freq) or config.nonfinite != "off"
+        self.active = bool(config.stats_freq) or config.nonfinite != "off" or stats_steps is not None
         # [numerics] whatif: titan/runtime/numerics/whatif.py
         self.whatif = whatif.attach(self.layers, config)
 
@@ -92,7 +97,9 @@ class NumericsMonitor:
     def begin_step(self, step: int) -> None:
         """Start ``step``: decide whether it collects statistics, reset the probes, set the probe mode."""
         f = self.cfg.stats_freq
-        self.step, self.stats_on, self.skip = step, bool(f) and (step == 1 or step % f == 0), False
+        self.stats_on = bool(f) and (step == 1 or step % f == 0)
+        self.stats_on = self.stats_on or bool(self.stats_steps and self.stats_steps(step))
+        self.step, self.skip = step, False
         for _, layer in self.layers:
             probe.reset(layer.state)
         whatif.reset_all(self.whatif)
@@ -131,7 +138,8 @@ class NumericsMonitor:
         for _, layer in self.layers:
             layer.lbt_flags.zero_()
         mine = NonFinite(self.step, *names[hit[0]], rank()) if hit else None
-        if self.cfg.nonfinite == "warn" or not dist.is_initialized() or dist.get_world_size() == 1:
+        own = self.cfg.nonfinite == "warn" and not self.agree
+        if own or not dist.is_initialized() or dist.get_world_size() == 1:
             return mine
         flag = torch.tensor([float(mine is not None)], device=loss.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -150,10 +158,14 @@ class NumericsMonitor:
                     specs[(fqn, role)] = spec.short()
         return raw, specs
 
-    def flush(self, metrics_logger) -> None:
-        """End of a statistics step: reduce over ranks, write ``numerics.jsonl`` (rank 0), log headlines."""
+    def flush(self, metrics_logger) -> list[dict]:
+        """End of a statistics step: reduce over ranks, write ``numerics.jsonl`` (rank 0), log headlines.
+
+        Returns:
+            The step's rows (the same on every rank; [] on a step without statistics).
+        """
         if not self.stats_on:
-            return
+            return []
         raw, specs = self._local_stats()
         specs = _gather_union(specs)
         keys = sorted(specs)
@@ -164,13 +176,14 @@ class NumericsMonitor:
             table = rows(self.step, keys, reduce_raw(stack), specs)
         alt = whatif.whatif_table(self.whatif, self.step, _gather_union, reduce_raw)  # rows marked "whatif"
         if not table and not alt:
-            return
+            return []
         if is_rank0():
             with open(os.path.join(self.dump_folder, NUMERICS_FILE), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in table + alt)
         if metrics_logger is not None:
             heads = headline_metrics(table, self.cfg.log_layers)
             metrics_logger.log({**heads, **whatif_headlines(alt, self.cfg.log_layers)}, self.step)
+        return table
 
 
 def layer_probes_work(pipeline_degree: int, compiled: bool) -> bool:

@@ -27,7 +27,20 @@ class TrainerExtras:
         cfg = trainer.config
         self.trainer, self.cfg = trainer, cfg.numerics
         probes = layer_probes_work(cfg.parallelism.pipeline_parallel_degree, cfg.compile.enable)
-        self.monitor = NumericsMonitor(cfg.numerics, trainer.model_parts, cfg.dump_folder, probes)
+        self.autopilot = None
+        if cfg.quantize.autopilot.enable:  # [quantize.autopilot]: titan/runtime/autopilot.py
+            from low_bits_training.titan.runtime.autopilot import Autopilot
+
+            self.autopilot = Autopilot(cfg.quantize.autopilot, trainer._lbt_schedule, cfg.dump_folder)
+        pilot = self.autopilot
+        self.monitor = NumericsMonitor(
+            cfg.numerics,
+            trainer.model_parts,
+            cfg.dump_folder,
+            probes,
+            stats_steps=pilot.stats_step if pilot else None,
+            agree=pilot is not None,
+        )
         if not probes and cfg.numerics.nonfinite != "off":
             logger.warning(
                 "low-bits-training: numerics.nonfinite checks the loss and the gradients only under pipeline "
@@ -41,10 +54,18 @@ class TrainerExtras:
         """Around one training step: probes on/off, then reduce + log the statistics; the profiling extras."""
         from low_bits_training.titan.runtime.profiling import step_context
 
+        if self.autopilot is not None:
+            self.autopilot.begin_step(step)
         self.monitor.begin_step(step)
         with step_context(self.trainer.config.profiling, self.trainer.config.dump_folder, step):
             yield
-        self.monitor.flush(getattr(self.trainer.metrics_processor, "logger", None))
+        metrics_logger = getattr(self.trainer.metrics_processor, "logger", None)
+        table = self.monitor.flush(metrics_logger)
+        if self.autopilot is not None:
+            self.autopilot.on_stats(step, table)
+            promoted = self.autopilot.metrics()
+            if promoted and metrics_logger is not None:
+                metrics_logger.log(promoted, step)
 
     def after_microbatch(self, loss: torch.Tensor) -> torch.Tensor:
         """Apply the policy to this microbatch's first non-finite value, if any; returns the loss to log."""
@@ -52,6 +73,10 @@ class TrainerExtras:
         if event is None:
             return loss
         warn(event)
+        if self.autopilot is not None and self.autopilot.on_nonfinite(event):
+            from low_bits_training.titan.runtime.autopilot import RedoStep
+
+            raise RedoStep(event.message())
         if self.cfg.nonfinite == "stop":
             self._stop(event)
         if self.cfg.nonfinite == "skip":

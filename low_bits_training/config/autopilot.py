@@ -1,0 +1,152 @@
+"""``[quantize.autopilot]``: promote one role of one layer up a ladder of formats when its numerics fail.
+
+    [quantize.autopilot]
+    enable = true
+    ladder = ["nvfp4", "mxfp8", "high"]   # rungs: recipe names, element formats, "high"
+    saturation = 0.01                     # a role whose share of clipped values passes this is promoted
+    underflow = 0.5                       # ... whose share of nonzero values flushed to zero passes this
+    sqnr_db = 0.0                         # ... whose SQNR falls under this floor (0: off)
+    every = 10                            # statistics (and their triggers) on step 1 and every 10 steps
+
+What fires (``titan/runtime/autopilot.py`` acts on it):
+
+- a non-finite value in a quantized layer's GEMM (``nonfinite = true``; needs ``numerics.nonfinite`` on):
+  the roles that made it are promoted and the step is run again from its start under the new plan (its
+  gradients were never applied), so no non-finite value reaches the weights or the loss curve;
+- a statistic over its threshold on a statistics step: that role is promoted from the next step on.
+
+A promotion moves a role one rung up: a recipe rung gives the role that recipe's spec for it, a format
+rung keeps the role's scaling, block and rounding and swaps the element format, ``high`` ends
+quantization of that role. A role whose spec is on no rung goes to the top rung. Pure config: the plan
+and the model come in as values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+from low_bits_training.config.section import AtLeast, Section
+from low_bits_training.config.tree import ConfigError
+from low_bits_training.formats import QuantSpec
+from low_bits_training.formats.table import get_format
+from low_bits_training.nn import ROLE_NAMES, ROLES
+from low_bits_training.nn.recipes import RECIPES
+from low_bits_training.nn.roles import along_contraction
+
+HIGH = "high"
+AUTOPILOT_FILE = "autopilot.jsonl"
+"""The decisions of a run, one JSON object per line, in the run folder (read back on resume)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AutopilotConfig(Section):
+    """``[quantize.autopilot]``: promote a failing role of a layer up a ladder, during the run."""
+
+    SECTION: ClassVar[str] = "quantize.autopilot"
+
+    enable: bool = False
+    """Watch the quantized linear layers' roles and promote the ones that fail (off by default)."""
+    ladder: list[str] = field(default_factory=lambda: [HIGH])
+    """Rungs from low to high: recipe names (``nvfp4``, ``mxfp8``), element formats (``e2m1``, ``e4m3``,
+    ``bf16``), ``high``. The default sends a failing role straight to high precision."""
+    nonfinite: bool = True
+    """Promote the roles of a GEMM that made a NaN / Inf and run the step again under the new plan."""
+    saturation: Annotated[float, AtLeast(0.0, "0: off")] = 0.01
+    """Promote a role whose share of values clipped to the format's largest passes this (0: off)."""
+    underflow: Annotated[float, AtLeast(0.0, "0: off")] = 0.5
+    """Promote a role whose share of nonzero values flushed to zero passes this (0: off)."""
+    sqnr_db: Annotated[float, AtLeast(0.0, "0: off")] = 0.0
+    """Promote a role whose signal-to-quantization-noise ratio falls under this many dB (0: off)."""
+    every: Annotated[int, AtLeast(1)] = 10
+    """Statistics steps of the triggers: step 1 and every ``every`` steps (besides ``numerics.stats_freq``)."""
+    max_promotions: Annotated[int, AtLeast(1)] = 64
+    """Promotions in a run at most; past it a failure goes to ``numerics.nonfinite``'s policy. Under
+    torch.compile each promotion may compile one more graph of a block (the recompile limit is raised by it)."""
+    max_redos: Annotated[int, AtLeast(0)] = 4
+    """Times one step may be run again after a non-finite value (each time with one more promotion)."""
+
+    def check(self) -> None:
+        """Raises: ConfigError (one line) for a field out of range or a rung that names nothing."""
+        Section.check(self)
+        for k in ("saturation", "underflow"):
+            if getattr(self, k) > 1:
+                raise ConfigError(
+                    f"quantize.autopilot.{k} = {getattr(self, k)!r}: expected a share in [0, 1]"
+                )
+        if not self.ladder:
+            raise ConfigError("quantize.autopilot.ladder = []: expected at least one rung (e.g. ['high'])")
+        for i, rung in enumerate(self.ladder):
+            rung_kind(rung, f"quantize.autopilot.ladder[{i}]")
+        if len(set(self.ladder)) != len(self.ladder):
+            raise ConfigError(f"quantize.autopilot.ladder = {self.ladder!r}: a rung appears twice")
+
+    @property
+    def stat_triggers(self) -> bool:
+        """True when a statistic can promote (saturation, underflow or SQNR on)."""
+        return bool(self.saturation or self.underflow or self.sqnr_db)
+
+
+def rung_kind(rung: str, where: str = "quantize.autopilot.ladder") -> str:
+    """``"high"``, ``"recipe"`` or ``"format"``.
+
+    Raises:
+        ConfigError: the rung is none of them (one line naming what is allowed).
+    """
+    if rung == HIGH:
+        return HIGH
+    if rung in RECIPES:
+        return "recipe"
+    try:
+        get_format(rung)
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"{where} = {rung!r}: expected 'high', a recipe ({', '.join(RECIPES)}) or an element format "
+            "(e2m1, e4m3, e5m2, int8, bf16, ...)"
+        ) from None
+    return "format"
+
+
+def rung_spec(rung: str, role: str, current: QuantSpec) -> QuantSpec | None:
+    """The spec ``role`` gets on ``rung`` from ``current`` (None: high precision).
+
+    Raises:
+        ValueError: the rung's format cannot take the current spec's other fields.
+    """
+    kind = rung_kind(rung)
+    if kind == HIGH:
+        return None
+    if kind == "recipe":
+        return along_contraction(RECIPES[rung].get(role), ROLES[ROLE_NAMES.index(role)])
+    return dataclasses.replace(current, format=rung)
+
+
+def _on_rung(rung: str, role: str, spec: QuantSpec) -> bool:
+    kind = rung_kind(rung)
+    if kind == "recipe":
+        return rung_spec(rung, role, spec) == spec
+    return kind == "format" and spec.format == rung
+
+
+def promote(spec: QuantSpec | None, role: str, ladder: list[str]) -> tuple[QuantSpec | None, str] | None:
+    """The next spec up ``ladder`` for ``role`` now under ``spec``, and the rung's name.
+
+    The rung above the highest rung ``spec`` is on (a spec on none goes to the top rung); a rung whose
+    format cannot take the role's other fields is passed over.
+
+    Returns:
+        ``(spec, rung)``, or None when there is nothing above (already high, or on the top rung).
+    """
+    if spec is None:
+        return None
+    on = [i for i, rung in enumerate(ladder) if _on_rung(rung, role, spec)]
+    start = on[-1] + 1 if on else len(ladder) - 1
+    for rung in ladder[start:]:
+        try:
+            new = rung_spec(rung, role, spec)
+        except (TypeError, ValueError):
+            continue
+        if new != spec:
+            return new, rung
+    return None

@@ -1,0 +1,174 @@
+"""[quantize.autopilot]: the ladder a role climbs, the section's one-line refusals, and the decisions of the
+trainer's autopilot on a schedule of real LinearPlans (no model: fake layers that hold a plan)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig, promote
+from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
+from low_bits_training.config.schedule import resolve_schedule
+from low_bits_training.config.tree import ConfigError, build_dataclass
+from low_bits_training.formats import QuantSpec
+from low_bits_training.nn import LinearPlan
+from low_bits_training.numerics import NonFinite
+from low_bits_training.titan.plan.schedule import PrecisionSchedule
+from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable
+
+NVFP4 = LinearPlan.from_recipe("nvfp4")
+MXFP8 = LinearPlan.from_recipe("mxfp8")
+
+
+@pytest.mark.parametrize("role", ["forward.input", "dgrad.weight", "wgrad.input"])
+def test_a_recipe_ladder_gives_the_role_the_next_recipes_spec(role):
+    first = promote(NVFP4.spec(role), role, ["nvfp4", "mxfp8", "high"])
+    assert first == (MXFP8.spec(role), "mxfp8")  # with the role's own axis (wgrad: the token dim)
+    assert promote(first[0], role, ["nvfp4", "mxfp8", "high"]) == (None, "high")
+
+
+def test_a_format_ladder_swaps_the_element_format_only():
+    spec = NVFP4.spec("forward.input")
+    new, rung = promote(spec, "forward.input", ["e2m1", "e4m3", "high"])
+    assert rung == "e4m3" and new.format == "e4m3"
+    assert (new.scaling, new.block_size, new.scale_format) == ("block", 16, "ue4m3")
+
+
+def test_a_spec_on_no_rung_goes_to_the_top_and_the_top_goes_nowhere():
+    spec = QuantSpec("e5m2", "none")
+    assert promote(spec, "dgrad.grad_output", ["e2m1", "e4m3", "bf16"]) == (None, "bf16")
+    assert promote(spec, "dgrad.grad_output", ["e2m1", "e5m2"]) is None  # on the top rung
+    assert promote(None, "dgrad.grad_output", ["high"]) is None  # already high
+
+
+def test_the_default_ladder_sends_a_role_to_high_precision():
+    assert AutopilotConfig().ladder == ["high"]
+    assert promote(NVFP4.spec("forward.weight"), "forward.weight", ["high"]) == (None, "high")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"ladder": ["e4m3", "fp9"]}, "quantize.autopilot.ladder[1] = 'fp9': expected 'high', a recipe ("),
+        ({"ladder": []}, "quantize.autopilot.ladder = []: expected at least one rung"),
+        ({"ladder": ["e4m3", "e4m3"]}, "quantize.autopilot.ladder = ['e4m3', 'e4m3']: a rung appears twice"),
+        ({"saturation": 2.0}, "quantize.autopilot.saturation = 2.0: expected a share in [0, 1]"),
+        ({"underflow": -0.1}, "quantize.autopilot.underflow = -0.1: expected a number >= 0.0 (0: off)"),
+        ({"every": 0}, "quantize.autopilot.every = 0: expected an int >= 1"),
+    ],
+)
+def test_bad_autopilot_keys_are_one_line_naming_the_key(fields, message):
+    with pytest.raises(ConfigError) as e:
+        build_dataclass(QuantizeConfig, {"autopilot": fields}, "quantize")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+class _Layer:
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def _pilot(tmp_path, rules, **cfg):
+    """An autopilot over two layers whose plans come from ``rules`` on the bf16 recipe."""
+    shapes = {f"layers.{i}.w": LayerShape(256, 256, 256) for i in range(2)}
+    quantize = QuantizeConfig(recipe="bf16", skip=[], rules=rules)
+    plans = resolve_plan(quantize, shapes)
+    schedule = resolve_schedule(quantize, shapes, steps=100)
+    layers = [(f, _Layer(plans[f])) for f in shapes]
+    sched = PrecisionSchedule(schedule, layers)
+    sched.begin_step(1)
+    pilot = Autopilot(AutopilotConfig(enable=True, **cfg), sched, str(tmp_path))
+    pilot.begin_step(1)
+    return pilot, dict(layers)
+
+
+E2M5_INPUT = QuantRule(
+    layers=["layers.1.w"], roles=["forward.input"], format="e2m5", scaling="none", saturate=False
+)
+
+
+def test_a_nonfinite_product_promotes_its_unsaturated_operand_and_asks_for_the_step_again(tmp_path):
+    rule = QuantRule(layers=["layers.1.w"], roles=["forward.weight"], format="e4m3")
+    pilot, layers = _pilot(tmp_path, [E2M5_INPUT, rule], ladder=["e2m5", "e4m3", "high"])
+    event = NonFinite(3, "layers.1.w", "forward.output", 0)
+    assert pilot.on_nonfinite(event)
+    plan = layers["layers.1.w"].plan
+    assert plan.spec("forward.input").short() == "e4m3/none/rne/nosat"  # the unsaturated operand only
+    assert plan.spec("forward.weight").short().startswith("e4m3/tensor")  # saturating: left alone
+    (row,) = [json.loads(x) for x in (tmp_path / AUTOPILOT_FILE).read_text().splitlines()]
+    assert row == {
+        "step": 3,
+        "layer": "layers.1.w",
+        "role": "forward.input",
+        "trigger": "nonfinite",
+        "value": "forward.output",
+        "before": "e2m5/none/rne/nosat",
+        "after": "e4m3/none/rne/nosat",
+        "rung": "e4m3",
+    }
+    assert pilot.metrics() == {"autopilot/promotions": 1.0} and pilot.metrics() == {}
+    # A non-finite operand came from upstream, and a high-precision layer has nothing to promote.
+    assert not pilot.on_nonfinite(NonFinite(3, "layers.1.w", "forward.input", 0))
+    assert not pilot.on_nonfinite(NonFinite(3, "layers.0.w", "forward.output", 0))
+
+
+def test_redos_of_a_step_are_capped(tmp_path):
+    pilot, _ = _pilot(tmp_path, [E2M5_INPUT], ladder=["e2m5", "e3m4", "e4m3", "high"], max_redos=2)
+    event = NonFinite(1, "layers.1.w", "forward.output", 0)
+    assert pilot.on_nonfinite(event)
+    pilot.begin_step(1)  # the trainer runs step 1 again
+    assert pilot.on_nonfinite(event)
+    pilot.begin_step(1)
+    assert not pilot.on_nonfinite(event)  # the third time in one step goes to numerics.nonfinite's policy
+    pilot.begin_step(2)
+    assert pilot.on_nonfinite(event)  # e4m3 -> high: a new step may redo again
+
+
+def test_statistics_over_a_threshold_promote_on_statistics_steps_only(tmp_path):
+    grads = QuantRule(roles=["*.grad_output"], format="e5m2", scaling="none")
+    pilot, layers = _pilot(tmp_path, [grads], every=10)
+    row = {"layer": "layers.0.w", "role": "dgrad.grad_output", "saturation": 0.0, "sqnr_db": 20.0}
+    pilot.on_stats(7, [dict(row, underflow=0.9)])  # not a statistics step (1, 10, 20, ...)
+    assert layers["layers.0.w"].plan.spec("dgrad.grad_output") is not None
+    pilot.on_stats(10, [dict(row, underflow=0.4), dict(row, layer="layers.1.w", underflow=0.9)])
+    assert layers["layers.0.w"].plan.spec("dgrad.grad_output") is not None  # 0.4 <= 0.5
+    assert layers["layers.1.w"].plan.spec("dgrad.grad_output") is None
+    assert layers["layers.1.w"].plan.spec("wgrad.grad_output") is not None  # only the role that failed
+    assert [d.trigger for d in pilot.decisions] == ["underflow"]
+
+
+def test_a_resumed_run_replays_the_decisions_before_its_first_step(tmp_path):
+    grads = QuantRule(roles=["*.grad_output"], format="e5m2", scaling="none")
+    first, _ = _pilot(tmp_path, [grads])
+    row = {"role": "dgrad.grad_output", "saturation": 0.0, "sqnr_db": 20.0, "underflow": 0.9}
+    first.on_stats(10, [dict(row, layer="layers.0.w")])
+    first.on_stats(20, [dict(row, layer="layers.1.w")])
+    # A resume from step 15's checkpoint: step 10's decision is replayed, step 20's (redone) is dropped.
+    shapes = {f"layers.{i}.w": LayerShape(256, 256, 256) for i in range(2)}
+    quantize = QuantizeConfig(recipe="bf16", skip=[], rules=[grads])
+    plans = resolve_plan(quantize, shapes)
+    layers = [(f, _Layer(plans[f])) for f in shapes]
+    sched = PrecisionSchedule(resolve_schedule(quantize, shapes, steps=100), layers)
+    sched.begin_step(16)
+    again = Autopilot(AutopilotConfig(enable=True), sched, str(tmp_path))
+    again.begin_step(16)
+    got = dict(layers)
+    assert got["layers.0.w"].plan.spec("dgrad.grad_output") is None
+    assert got["layers.1.w"].plan.spec("dgrad.grad_output") is not None
+    assert [json.loads(x)["step"] for x in (tmp_path / AUTOPILOT_FILE).read_text().splitlines()] == [10]
+
+
+def test_promoted_plans_are_one_object_per_distinct_plan_and_outlive_phase_changes(tmp_path):
+    pilot, layers = _pilot(tmp_path, [E2M5_INPUT], ladder=["e2m5", "e4m3", "high"])
+    pilot.on_nonfinite(NonFinite(1, "layers.1.w", "forward.output", 0))
+    sched, before = pilot.schedule, layers["layers.1.w"].plan
+    sched._apply(sched.current.plans)  # what a phase change or the end of evaluation does
+    assert layers["layers.1.w"].plan is before  # the same object: a compiled graph's guard holds
+
+
+def test_replayable_hands_the_same_batches_again_then_goes_on():
+    it = Replayable(iter(range(5)))
+    assert [next(it), next(it)] == [0, 1]
+    it.rewind()
+    assert [next(it), next(it), next(it)] == [0, 1, 2]
