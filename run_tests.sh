@@ -9,8 +9,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 tier=(-m "not slow or smoke")
 if [[ "${1:-}" == "--all" ]]; then
-  # One process used about one of two cores (launcher start-up, imports, inductor are serial); a third worker was
-  # slower than two (measured). A file's tests stay on one worker, so its module fixtures run once; the longest
+  # One process used about one of two cores (launcher start-up, imports, inductor are serial); a third worker was not
+  # shown faster (one run, not finished). A file's tests stay on one worker, so its module fixtures run once; the longest
   # files go first (tests/conftest.py, file_seconds.json).
   tier=(-n "${LBT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
   shift
