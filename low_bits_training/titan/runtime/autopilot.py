@@ -131,21 +131,21 @@ class Autopilot:
             logger.info(f"autopilot: replayed {len(earlier)} decisions of steps before {step}")
 
     def _apply(self, d: Decision) -> None:
-        if d.layer in self.layers:
-            self.schedule.override(d.layer, d.role, self._spec_after(d))
+        got = self._next(d.layer, d.role) if d.layer in self.layers else None
+        if got is not None:
+            self.schedule.override(d.layer, d.role, got[0])
         self.decisions.append(d)
 
-    def _spec_after(self, d: Decision):
-        spec = self.layers[d.layer].plan.spec(d.role)
-        got = promote(spec, d.role, self.cfg.ladder)
-        return None if got is None else got[0]
+    def _next(self, layer: str, role: str):
+        """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``config.autopilot.promote``)."""
+        return promote(self.layers[layer].plan.spec(role), role, self.cfg.ladder)
 
     def _promote(self, step: int, layer: str, role: str, trigger: str, value) -> bool:
         """Move ``role`` of ``layer`` one rung up (False: nothing above, refused, or the cap reached)."""
         if len(self.decisions) >= self.cfg.max_promotions or layer not in self.layers:
             return False
         spec = self.layers[layer].plan.spec(role)
-        got = promote(spec, role, self.cfg.ladder)
+        got = self._next(layer, role)
         if got is None:
             return False
         try:
