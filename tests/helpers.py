@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import tomllib
@@ -112,10 +113,17 @@ def train(
     """
     folder = tmp_path / "run"
     cmd = train_command(folder, *args)
-    p = subprocess.run(
-        cmd, cwd=REPO, env=train_env(nproc, env, config), capture_output=True, text=True, timeout=timeout
-    )
-    run = Run(p.returncode, p.stdout + p.stderr, folder)
+    p = subprocess.Popen(
+        cmd, cwd=REPO, env=train_env(nproc, env, config), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # its own session: the launcher and every rank, not the script alone
+        out, err = p.communicate()
+        raise AssertionError(f"training timed out after {timeout} s:\n{(out + err)[-6000:]}") from None
+    run = Run(p.returncode, out + err, folder)
     if check and p.returncode != 0:
         raise AssertionError(f"training failed ({p.returncode}):\n{run.log[-6000:]}")
     return run
