@@ -158,9 +158,9 @@ def test_the_autopilots_decisions_get_their_own_table(tmp_path):
     (tmp_path / "autopilot.jsonl").write_text(json.dumps(decision) + "\n")
     assert load_run(tmp_path).decisions == [decision]
     page = build_report([tmp_path], tmp_path / "out").read_text()
-    assert "(1 promotions)</h2>" in page
+    assert "(1 promotions, 0 rollbacks)</h2>" in page
     table = re.search(r'<table id="autopilot">(.*?)</table>', page).group(1)
     assert re.findall(r"<td>(.*?)</td>", re.findall(r"<tr>(.*?)</tr>", table)[1]) == [
         "1", "layers.1.feed_forward.w1", "forward.input", "nonfinite", "forward.output",
-        "e2m5/none/rne/nosat", "e4m3/none/rne/nosat",
+        "e2m5/none/rne/nosat", "e4m3/none/rne/nosat", "",
     ]  # fmt: skip

@@ -209,6 +209,13 @@ def check_autopilot(config: Any, hw: Hardware) -> list[Check]:
         (f"underflow > {pilot.underflow:g}", pilot.underflow),
         (f"SQNR < {pilot.sqnr_db:g} dB", pilot.sqnr_db),
     ]
+    fired.append(
+        (
+            f"loss / grad-norm spike > {pilot.spike_z:g} sd (host snapshots every {pilot.snapshot_every} steps, "
+            f"then {pilot.on_spike})",
+            pilot.spike_z,
+        )
+    )
     detail = (
         f"ladder {' -> '.join(pilot.ladder)}; triggers: {', '.join(n for n, on in fired if on) or 'none'}"
     )

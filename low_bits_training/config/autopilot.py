@@ -13,7 +13,9 @@ What fires (``titan/runtime/autopilot.py`` acts on it):
 - a non-finite value in a quantized layer's GEMM (``nonfinite = true``; needs ``numerics.nonfinite`` on):
   the roles that made it are promoted and the step is run again from its start under the new plan (its
   gradients were never applied), so no non-finite value reaches the weights or the loss curve;
-- a statistic over its threshold on a statistics step: that role is promoted from the next step on.
+- a statistic over its threshold on a statistics step: that role is promoted from the next step on;
+- a spike of the loss or the gradient norm (``spike_z``): the run rolls back in memory to a host snapshot
+  a few steps earlier and replays those steps (with the worst role promoted, ``on_spike = "promote"``).
 
 A promotion moves a role one rung up: a recipe rung gives the role that recipe's spec for it, a format
 rung keeps the role's scaling, block and rounding and swaps the element format, ``high`` ends
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from low_bits_training.config.section import AtLeast, Section
 from low_bits_training.config.tree import ConfigError
@@ -36,6 +38,7 @@ from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.nn.roles import along_contraction
 
 HIGH = "high"
+SpikeAction = Literal["promote", "rollback"]
 AUTOPILOT_FILE = "autopilot.jsonl"
 """The decisions of a run, one JSON object per line, in the run folder (read back on resume)."""
 
@@ -66,6 +69,25 @@ class AutopilotConfig(Section):
     torch.compile each promotion may compile one more graph of a block (the recompile limit is raised by it)."""
     max_redos: Annotated[int, AtLeast(0)] = 4
     """Times one step may be run again after a non-finite value (each time with one more promotion)."""
+    spike_z: Annotated[float, AtLeast(0.0, "0: off")] = 6.0
+    """A logged step whose loss or gradient norm lies this many robust standard deviations (median and
+    median absolute deviation of the last ``spike_window`` logged steps) above the median is a spike: the
+    run rolls back in memory to a host snapshot and goes on from there (0: off, no snapshots kept)."""
+    spike_window: Annotated[int, AtLeast(4)] = 32
+    """Logged steps the spike statistic reads (it needs at least 8 of them, or the whole window if smaller)."""
+    on_spike: SpikeAction = "promote"
+    """After a rollback: ``promote`` the role that the last statistics step found worst (most clipped,
+    then most flushed to zero, then lowest SQNR) and replay the steps under the new plan; ``rollback``
+    replays the same plan (a transient fault: a bad node, a corrupted batch)."""
+    snapshot_every: Annotated[int, AtLeast(1)] = 10
+    """Steps between host snapshots (model, optimizer states in their own formats, scheduler, step). A
+    snapshot is also taken at every checkpoint step and at the first step, so a rollback never goes back
+    past a checkpoint; the two newest are kept with the batches drawn since the older one."""
+    snapshot_gib: Annotated[float, AtLeast(0.0)] = 16.0
+    """Host memory the snapshots of one rank may hold, in GiB: a run whose two snapshots need more keeps
+    none and says so once (spikes are then logged, not acted on)."""
+    max_rollbacks: Annotated[int, AtLeast(0)] = 8
+    """Rollbacks in a run at most; past it a spike is only logged."""
 
     def check(self) -> None:
         """Raises: ConfigError (one line) for a field out of range or a rung that names nothing."""
@@ -86,6 +108,12 @@ class AutopilotConfig(Section):
     def stat_triggers(self) -> bool:
         """True when a statistic can promote (saturation, underflow or SQNR on)."""
         return bool(self.saturation or self.underflow or self.sqnr_db)
+
+    @property
+    def reads_stats(self) -> bool:
+        """True when the autopilot reads statistics steps: a statistic can promote, or a spike promotes the
+        role the newest statistics find worst."""
+        return self.stat_triggers or bool(self.spike_z and self.on_spike == "promote")
 
 
 def rung_kind(rung: str, where: str = "quantize.autopilot.ladder") -> str:

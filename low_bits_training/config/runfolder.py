@@ -72,8 +72,8 @@ def read_total_steps(folder: str | os.PathLike) -> int | None:
 def read_metrics(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a run folder's ``metrics.jsonl``, one per step in step order.
 
-    Training and validation rows of a step are merged; a resumed run appends the steps it redoes, and the
-    later values win.
+    Training and validation rows of a step are merged; a resumed run, or an autopilot rollback, appends the
+    steps it redoes, and the later values win.
     """
     by_step: dict[int, dict[str, Any]] = {}
     for row in read_jsonl(Path(folder) / METRICS_FILE):

@@ -57,12 +57,15 @@ DECISION_COLUMNS = (
     ("value", "figure"),
     ("before", "before"),
     ("after", "after"),
+    ("seen", "spike at"),
 )
 
 
 def _table(rows: list[dict[str, Any]], columns=COLUMNS, table_id: str = "numbers") -> str:
     head = "".join(f"<th>{label}</th>" for _, label in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(r[k])}</td>" for k, _ in columns) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_fmt(r.get(k, ''))}</td>" for k, _ in columns) + "</tr>" for r in rows
+    )
     return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
 
 
@@ -110,9 +113,11 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
         paths = per_run[run.name]
         if any(paths):
             parts += [f"<h2>Numerics: {html.escape(run.name)}</h2>", *(_img(p) for p in paths if p)]
-        if run.decisions:  # [quantize.autopilot]: every promotion of the run
+        if run.decisions:  # [quantize.autopilot]: every promotion and rollback of the run
+            promoted = sum(bool(d.get("layer")) for d in run.decisions)
+            back = sum(bool(d.get("seen")) for d in run.decisions)
             parts += [
-                f"<h2>Autopilot: {html.escape(run.name)} ({len(run.decisions)} promotions)</h2>",
+                f"<h2>Autopilot: {html.escape(run.name)} ({promoted} promotions, {back} rollbacks)</h2>",
                 _table(run.decisions, DECISION_COLUMNS, "autopilot"),
             ]
         alt = whatif_summary(run)

@@ -438,7 +438,8 @@ def test_autopilot_row_names_its_ladder_triggers_and_the_layers_it_watches(clean
     rows = by_name(doctor.run_checks(str(DEBUG), [*on, "--quantize.recipe", "nvfp4"], {"NGPU": "1"}))
     assert rows["autopilot"].status == "OK"
     assert rows["autopilot"].detail == (
-        "ladder nvfp4 -> mxfp8 -> high; triggers: nonfinite, saturation > 0.01, underflow > 0.5; "
+        "ladder nvfp4 -> mxfp8 -> high; triggers: nonfinite, saturation > 0.01, underflow > 0.5, "
+        "loss / grad-norm spike > 6 sd (host snapshots every 10 steps, then promote); "
         "watches 30 quantized linear layers"
     )  # the debug model: 6 blocks x 5 linears (wqkv, wo, w1, w2, w3); lm_head skipped
     bf16 = by_name(doctor.run_checks(str(DEBUG), on, {"NGPU": "1"}))

@@ -15,7 +15,8 @@ from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
 from low_bits_training.numerics import NonFinite
 from low_bits_training.titan.plan.schedule import PrecisionSchedule
-from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable
+from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable, robust_z
+from low_bits_training.titan.runtime.snapshot import Snapshot, Snapshots
 
 NVFP4 = LinearPlan.from_recipe("nvfp4")
 MXFP8 = LinearPlan.from_recipe("mxfp8")
@@ -106,6 +107,7 @@ def test_a_nonfinite_product_promotes_its_unsaturated_operand_and_asks_for_the_s
         "before": "e2m5/none/rne/nosat",
         "after": "e4m3/none/rne/nosat",
         "rung": "e4m3",
+        "seen": 0,
     }
     assert pilot.metrics() == {"autopilot/promotions": 1.0} and pilot.metrics() == {}
     # A non-finite operand came from upstream, and a high-precision layer has nothing to promote.
@@ -172,3 +174,81 @@ def test_replayable_hands_the_same_batches_again_then_goes_on():
     assert [next(it), next(it)] == [0, 1]
     it.rewind()
     assert [next(it), next(it), next(it)] == [0, 1, 2]
+
+
+def test_robust_z_reads_the_median_and_the_median_absolute_deviation():
+    history = [1.0, 2.0, 3.0, 4.0, 100.0]  # median 3, deviations 2 1 0 1 97: MAD 1
+    assert robust_z(history, 3.0 + 1.4826 * 6) == pytest.approx(6.0)
+    assert robust_z(history, 2.0) < 0  # below the median: no spike
+    assert robust_z([5.0] * 8, 5.0 + 5e-3 * 6) == pytest.approx(6.0)  # flat: the 1e-3 x median floor
+
+
+def test_a_spike_needs_a_full_enough_window_and_passes_its_threshold(tmp_path):
+    pilot, _ = _pilot(tmp_path, [], spike_z=6.0, spike_window=16)
+    for step in range(1, 8):  # 7 earlier steps: not enough (8) to judge step 8
+        assert pilot.spike(step, 5.0 - 0.01 * step, 1.0) is None
+    assert pilot.spike(8, 50.0, 1.0) is None
+    assert pilot.spike(9, 5.0, 1.0) is None  # 8 earlier steps, one of them the outlier: robust
+    assert pilot.spike(10, 5.0, 9.0) == ("grad_norm", pytest.approx(robust_z([1.0] * 8 + [1.0], 9.0)))
+    off, _ = _pilot(tmp_path / "off", [], spike_z=0.0)
+    assert off.snapshots is None and all(off.spike(s, 1e9 * s, 1.0) is None for s in range(1, 20))
+
+
+def _snap(step: int) -> Snapshot:
+    return Snapshot(step, [], [], [], {"step": step, "ntokens_seen": 0})
+
+
+def test_snapshots_are_taken_every_n_steps_and_at_checkpoints_and_the_two_newest_are_kept():
+    snaps = Snapshots(every=4, checkpoint_every=6, max_bytes=2**30)
+    assert [s for s in range(1, 14) if snaps.due(s, first=s == 1)] == [1, 5, 7, 9, 13]
+    for step in (0, 4, 6):
+        snaps.add(_snap(step))
+        for k in range(step + 1, step + 3):
+            snaps.record(k, [f"batch {k}"])
+    assert [s.step for s in snaps.kept] == [4, 6]
+    assert sorted(snaps.batches) == [5, 6, 7, 8]  # since the oldest kept
+    assert snaps.target(8).step == 6 and snaps.target(7).step == 4  # undo at least one update
+    snaps.back_to(4)
+    assert [s.step for s in snaps.kept] == [4]
+
+
+def test_a_spike_rolls_back_and_promotes_the_role_the_last_statistics_found_worst(tmp_path):
+    grads = QuantRule(roles=["*.grad_output", "forward.input"], format="e4m3", scaling="tensor")
+    pilot, layers = _pilot(tmp_path, [grads], spike_z=6.0, spike_window=8, saturation=0.0, underflow=0.0)
+    row = {"saturation": 0.0, "underflow": 0.1, "sqnr_db": 30.0}
+    pilot.on_stats(1, [
+        dict(row, layer="layers.0.w", role="forward.input", saturation=0.002),
+        dict(row, layer="layers.1.w", role="forward.input", saturation=0.004),
+        dict(row, layer="layers.1.w", role="dgrad.grad_output", underflow=0.3),
+    ])  # fmt: skip
+    pilot.snapshots.add(_snap(4))
+    pilot.snapshots.add(_snap(8))
+    for step in range(1, 10):
+        assert pilot.after_step(None, step, (step, 5.0, 1.0)) is None
+    back = pilot.after_step(None, 10, (10, 40.0, 1.0))
+    assert back.step == 8
+    assert layers["layers.1.w"].plan.spec("forward.input") is None  # the most clipped role: up to high
+    assert layers["layers.0.w"].plan.spec("forward.input") is not None
+    (d,) = pilot.decisions
+    assert (d.step, d.seen, d.layer, d.role, d.trigger) == (
+        9,
+        10,
+        "layers.1.w",
+        "forward.input",
+        "loss_spike",
+    )
+    assert "spike at step 10: rolled back to step 8" in d.message()
+    assert pilot.metrics() == {"autopilot/promotions": 1.0, "autopilot/rollbacks": 1.0}
+    assert sorted(pilot.history) == list(range(1, 9))  # the abandoned steps' figures are gone
+
+
+def test_a_spike_without_a_snapshot_or_past_the_cap_is_only_logged(tmp_path):
+    pilot, _ = _pilot(tmp_path, [], spike_z=6.0, spike_window=8, on_spike="rollback", max_rollbacks=1)
+    for step in range(1, 10):
+        pilot.after_step(None, step, (step, 5.0, 1.0))
+    assert pilot.after_step(None, 10, (10, 40.0, 1.0)) is None  # no snapshot yet
+    pilot.snapshots.add(_snap(9))
+    back = pilot.after_step(None, 11, (11, 40.0, 1.0))
+    assert back.step == 9 and pilot.decisions[-1].layer == ""  # the same plan again
+    assert pilot.after_step(None, 12, (12, 40.0, 1.0)) is None  # max_rollbacks = 1
+    assert pilot.after_step(None, 13, (12, 40.0, 1.0)) is None  # a step that logged nothing

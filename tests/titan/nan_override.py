@@ -1,4 +1,5 @@
-"""A torchtitan override for tests: the token embedding emits one NaN on its N-th forward call.
+"""torchtitan overrides for tests: the token embedding emits one NaN on its N-th forward call (``nan_embedding``);
+the final norm scales its output on its N-th call, a loss spike (``spike_norm``, ``LBT_TEST_SPIKE_CALL=N``).
 
 Activated with ``--override.imports tests.titan.nan_override.nan_embedding`` and ``LBT_TEST_NAN_CALL=N``
 in the environment (the ranks run from the repository root, so ``tests.titan`` imports there). The NaN
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from torchtitan.config.override import derive, override
 from torchtitan.models.common import Embedding
+from torchtitan.models.common.nn_modules import RMSNorm
 
 
 class NaNEmbedding(Embedding):
@@ -34,3 +36,25 @@ class NaNEmbedding(Embedding):
 @override(target=Embedding.Config, fqns=["*.tok_embeddings"], description="one NaN on a chosen call (tests)")
 def nan_embedding(cfg):
     return derive(cfg, NaNEmbedding.Config)
+
+
+class SpikeNorm(RMSNorm):
+    """``RMSNorm`` whose output is scaled by ``LBT_TEST_SPIKE_SCALE`` (default 30) on call
+    ``LBT_TEST_SPIKE_CALL``: as the model's final norm, logits 30x as sharp on one step, a loss spike (a
+    transient fault: the step's state and batch are fine)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RMSNorm.Config):
+        pass
+
+    def forward(self, x):
+        y = super().forward(x)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == int(os.environ.get("LBT_TEST_SPIKE_CALL", "0")):
+            y = y * float(os.environ.get("LBT_TEST_SPIKE_SCALE", "30"))
+        return y
+
+
+@override(target=RMSNorm.Config, fqns=["*.model.norm"], description="a loss spike on a chosen call (tests)")
+def spike_norm(cfg):
+    return derive(cfg, SpikeNorm.Config)

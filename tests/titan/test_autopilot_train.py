@@ -5,6 +5,10 @@ non-saturating e2m5 (largest finite value 3.875, then inf): its GEMM's product i
 Without the autopilot the run stops there; with it, that role (and only it) goes one rung up (e4m3) and
 step 1 runs again: the losses equal, bit for bit, those of a run that had e4m3 there from the start, and a
 run resumed from a checkpoint replays the decision and equals the uninterrupted one.
+
+The spike: the final norm scales its output 30x on one call (``tests/titan/nan_override.spike_norm``), a loss
+of ~92 nats at step 7 instead of ~7.4. The run rolls back in memory to the host snapshot of step 4 and runs
+steps 5-7 again: with ``on_spike = "rollback"`` the losses equal a run that never spiked, bit for bit.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ STEP1 = {
     "before": "e2m5/none/rne/nosat",
     "after": "e4m3/none/rne/nosat",
     "rung": "e4m3",
+    "seen": 0,
 }
 
 
@@ -122,3 +127,47 @@ def test_bad_autopilot_keys_are_one_line_and_exit_2(tmp_path, pilot, numerics, m
     lines = [ln for ln in run.log.splitlines() if "quantize.autopilot" in ln]
     assert lines and message in lines[0]
     assert not (folder / "run").exists()
+
+
+LOSS = "loss_metrics/global_avg_loss"
+SPIKE = ("--override.imports", "tests.titan.nan_override.spike_norm", "--training.steps", "9")
+SPIKE_ENV = {"LBT_TEST_SPIKE_CALL": "7"}  # one forward per step: step 7
+SPIKE_PILOT = {"spike_z": 50.0, "spike_window": 4, "snapshot_every": 2, "ladder": ["high"]}
+
+
+def _spike_config(tmp_path, recipe="bf16", **pilot):
+    autopilot = {"enable": True, **SPIKE_PILOT, **pilot}
+    return write_toml(tmp_path / "spike.toml", quantize={"recipe": recipe, "autopilot": autopilot})
+
+
+def test_a_spike_rolls_back_to_a_host_snapshot_and_replays_bit_for_bit(tmp_path):
+    """Compiled (the restore writes the tensors the graphs hold in place: no recompile)."""
+    cfg = _spike_config(tmp_path, on_spike="rollback")
+    args = (*SPIKE, "--checkpoint.no-enable", "--compile.enable")
+    clean = _run(tmp_path / "clean", *args, config=cfg)
+    spiked = train(tmp_path / "spiked", *SEED, *args, config=cfg, env=SPIKE_ENV)
+    assert _decisions(clean) == []
+    (d,) = _decisions(spiked)
+    assert (d["step"], d["seen"], d["layer"], d["trigger"]) == (5, 7, "", "loss_spike") and d["value"] > 50
+    assert "spike at step 7: rolled back to step 4" in spiked.log
+    lines = [json.loads(x) for x in (spiked.folder / "metrics.jsonl").read_text().splitlines()]
+    step7 = [r[LOSS] for r in lines if r["step"] == 7 and LOSS in r]
+    assert step7[0] > 50 and step7[1] == clean.losses[7]  # the spike, then its replay (the later row wins)
+    assert spiked.losses == clean.losses and sorted(spiked.losses) == list(range(1, 10))  # bit for bit
+    assert [(r["step"], r["autopilot/rollbacks"]) for r in spiked.rows if "autopilot/rollbacks" in r] == [
+        (5, 1.0)
+    ]
+
+
+def test_a_spike_promotes_the_worst_role_on_two_ranks(tmp_path):
+    """mxfp8 (statistics at step 1 name the suspect), 2 FSDP2 ranks: one decision, on every rank."""
+    args = (*SPIKE, "--checkpoint.no-enable", "--parallelism.data_parallel_shard_degree", "2")
+    cfg = _spike_config(tmp_path, recipe="mxfp8", saturation=0.0, underflow=0.0)
+    env = {**SPIKE_ENV, "LOG_RANK": "0,1"}
+    run = train(tmp_path / "run", *SEED, *args, config=cfg, nproc=2, env=env, timeout=1800)
+    (d,) = _decisions(run)
+    assert (d["step"], d["seen"], d["trigger"], d["after"], d["rung"]) == (5, 7, "loss_spike", "high", "high")
+    assert d["layer"].startswith("layers.") and d["before"].startswith("e4m3/block32")
+    assert sorted(run.losses) == list(range(1, 10)) and max(run.losses.values()) < 9  # the spike is gone
+    said = [ln for ln in run.log.splitlines() if "spike at step 7: rolled back to step 4" in ln]
+    assert sorted(ln.split("]")[0] for ln in said) == ["[rank0", "[rank1"]

@@ -183,6 +183,6 @@ def install(trainer, run) -> PrecisionSchedule:
     if config.compile.enable:
         pilot = config.quantize.autopilot
         promotions = pilot.max_promotions if pilot.enable else 0
-        stats = bool(config.numerics.stats_freq) or (pilot.enable and pilot.stat_triggers)
+        stats = bool(config.numerics.stats_freq) or (pilot.enable and pilot.reads_stats)
         raise_recompile_limit(sched.schedule, stats, promotions)
     return sched

@@ -34,6 +34,8 @@ from low_bits_training.titan.platform.ranks import is_rank0
 
 PROMOTIONS = "autopilot/promotions"
 """Metric: promotions so far in the run (logged at each step that promotes)."""
+ROLLBACKS = "autopilot/rollbacks"
+"""Metric: rollbacks to a host snapshot so far (logged at each step that rolls back)."""
 
 
 class RedoStep(Exception):
@@ -78,13 +80,35 @@ class Decision:
     before: str
     after: str
     rung: str
+    seen: int = 0
+    """A spike's decision: the step that spiked (``step`` is the first step replayed under the new plan,
+    right after the snapshot the run went back to); 0 for the other triggers."""
 
     def message(self) -> str:
         figure = self.value if isinstance(self.value, str) else f"{self.value:.4g}"
+        back = f" (spike at step {self.seen}: rolled back to step {self.step - 1})" if self.seen else ""
+        if not self.layer:
+            return f"autopilot: step {self.step}: replay under the same plan{back}; {self.trigger} {figure}"
         return (
             f"autopilot: step {self.step}: {self.layer} {self.role} {self.before} -> {self.after} "
-            f"(rung {self.rung!r}; {self.trigger} {figure})"
+            f"(rung {self.rung!r}; {self.trigger} {figure}){back}"
         )
+
+
+def robust_z(history: list[float], value: float) -> float:
+    """How many robust standard deviations ``value`` lies above the median of ``history`` (median absolute
+    deviation x 1.4826, floored at 1e-3 of the median's size so a flat history does not divide by zero)."""
+    h = sorted(history)
+    n = len(h)
+    med = h[n // 2] if n % 2 else 0.5 * (h[n // 2 - 1] + h[n // 2])
+    dev = sorted(abs(x - med) for x in h)
+    mad = dev[n // 2] if n % 2 else 0.5 * (dev[n // 2 - 1] + dev[n // 2])
+    scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
+    return (value - med) / scale
+
+
+SPIKE_MIN = 8
+"""Logged steps the spike statistic needs before it fires (or the whole window when that is smaller)."""
 
 
 def _label(spec) -> str:
@@ -94,7 +118,7 @@ def _label(spec) -> str:
 class Autopilot:
     """The decisions of one run over the switchable layers of ``schedule`` (a ``PrecisionSchedule``)."""
 
-    def __init__(self, cfg: AutopilotConfig, schedule, dump_folder: str):
+    def __init__(self, cfg: AutopilotConfig, schedule, dump_folder: str, checkpoint_every: int = 0):
         self.cfg, self.schedule = cfg, schedule
         self.path = os.path.join(dump_folder, AUTOPILOT_FILE)
         self.layers = dict(schedule.layers)
@@ -102,6 +126,14 @@ class Autopilot:
         self.redos, self._step = 0, 0
         self._started = False
         self._new = 0  # promotions not yet in the metrics
+        self.rollbacks, self._new_rollbacks = 0, 0
+        self.history: dict[int, tuple[float, float]] = {}  # logged step -> (loss, grad norm)
+        self.last_table: list[dict] = []  # the newest statistics table (the spike's suspect)
+        self.snapshots = None
+        if cfg.spike_z:
+            from low_bits_training.titan.runtime.snapshot import Snapshots
+
+            self.snapshots = Snapshots(cfg.snapshot_every, checkpoint_every, int(cfg.snapshot_gib * 2**30))
         watched = sum(not layer.plan.is_high_precision for layer in self.layers.values())
         logger.info(
             f"autopilot: ladder {' -> '.join(cfg.ladder)}; watches {watched} quantized linear layers "
@@ -109,8 +141,9 @@ class Autopilot:
         )
 
     def stats_step(self, step: int) -> bool:
-        """True when the statistic triggers read ``step`` (step 1 and every ``every``-th)."""
-        return self.cfg.stat_triggers and (step == 1 or step % self.cfg.every == 0)
+        """True when the statistic triggers (or the spike trigger's suspect) read ``step`` (step 1 and every
+        ``every``-th)."""
+        return self.cfg.reads_stats and (step == 1 or step % self.cfg.every == 0)
 
     def begin_step(self, step: int) -> None:
         """Before each step and each run of it again (after the schedule's): on the first, replay the
@@ -140,9 +173,13 @@ class Autopilot:
         """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``config.autopilot.promote``)."""
         return promote(self.layers[layer].plan.spec(role), role, self.cfg.ladder)
 
-    def _promote(self, step: int, layer: str, role: str, trigger: str, value) -> bool:
+    @property
+    def promotions(self) -> int:
+        return sum(bool(d.layer) for d in self.decisions)
+
+    def _promote(self, step: int, layer: str, role: str, trigger: str, value, seen: int = 0) -> bool:
         """Move ``role`` of ``layer`` one rung up (False: nothing above, refused, or the cap reached)."""
-        if len(self.decisions) >= self.cfg.max_promotions or layer not in self.layers:
+        if self.promotions >= self.cfg.max_promotions or layer not in self.layers:
             return False
         spec = self.layers[layer].plan.spec(role)
         got = self._next(layer, role)
@@ -153,14 +190,16 @@ class Autopilot:
         except ValueError as e:
             logger.warning(f"autopilot: {layer} {role} not promoted to {got[1]!r}: {e}")
             return False
-        d = Decision(step, layer, role, trigger, value, _label(spec), _label(got[0]), got[1])
-        self.decisions.append(d)
+        self._record(Decision(step, layer, role, trigger, value, _label(spec), _label(got[0]), got[1], seen))
         self._new += 1
+        return True
+
+    def _record(self, d: Decision) -> None:
+        self.decisions.append(d)
         logger.warning(d.message())
         if is_rank0():
             with open(self.path, "a") as f:
                 f.write(json.dumps(asdict(d)) + "\n")
-        return True
 
     def on_nonfinite(self, event: NonFinite) -> bool:
         """Promote the operands of the GEMM whose product was non-finite; True: run the step again."""
@@ -183,6 +222,8 @@ class Autopilot:
 
     def on_stats(self, step: int, table: list[dict]) -> None:
         """Promote each role of a statistics step's table whose figure passes its threshold."""
+        if table:
+            self.last_table = table
         if not self.stats_step(step):
             return
         for row in table:
@@ -204,8 +245,90 @@ class Autopilot:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """``autopilot/promotions`` when this step promoted (else nothing)."""
-        if not self._new:
-            return {}
-        self._new = 0
-        return {PROMOTIONS: float(len(self.decisions))}
+        """``autopilot/promotions`` / ``autopilot/rollbacks`` when this step changed them (else nothing)."""
+        out = {}
+        if self._new:
+            out[PROMOTIONS] = float(self.promotions)
+        if self._new_rollbacks:
+            out[ROLLBACKS] = float(self.rollbacks)
+        self._new = self._new_rollbacks = 0
+        return out
+
+    # -- spikes: snapshots and rollback (titan/runtime/snapshot.py; the trainer replays) --
+
+    def before_step(self, trainer, step: int, first: bool) -> None:
+        """Take a host snapshot of the state ``step`` starts from when one is due (``Snapshots.due``)."""
+        snaps = self.snapshots
+        if snaps is None or not snaps.due(step, first):
+            return
+        from low_bits_training.titan.runtime.snapshot import take
+
+        snap = take(trainer, step - 1)
+        announce = not snaps.kept and not snaps.off
+        snaps.add(snap)
+        if snaps.off:
+            logger.warning(f"autopilot: no snapshots kept ({snaps.off}): spikes are logged, not rolled back")
+        elif announce:
+            logger.info(
+                f"autopilot: host snapshot of step {snap.step}: {snap.nbytes / 2**20:.1f} MiB on this rank, "
+                f"{snap.seconds * 1e3:.0f} ms (every {snaps.every} steps and at checkpoints; 2 kept)"
+            )
+
+    def spike(self, step: int, loss: float, grad_norm: float) -> tuple[str, float] | None:
+        """``(what, z)`` when ``step``'s logged loss or gradient norm spikes (``robust_z`` over the window of
+        earlier logged steps above ``spike_z``), else None. The step joins the window either way."""
+        cfg = self.cfg
+        if not cfg.spike_z:
+            return None
+        past = [v for k, v in sorted(self.history.items()) if k < step][-cfg.spike_window :]
+        self.history[step] = (loss, grad_norm)
+        if len(past) < min(SPIKE_MIN, cfg.spike_window):
+            return None
+        for i, what in enumerate(("loss", "grad_norm")):
+            z = robust_z([v[i] for v in past], (loss, grad_norm)[i])
+            if z > cfg.spike_z:
+                return what, z
+        return None
+
+    def after_step(self, trainer, step: int, logged: tuple[int, float, float] | None):
+        """The snapshot to roll back to after ``step`` (None: go on). A spike with a snapshot to go back to
+        and rollbacks left promotes the worst role (``on_spike = "promote"``) or nothing, and says so."""
+        if logged is None or logged[0] != step:
+            return None
+        hit = self.spike(step, logged[1], logged[2])
+        if hit is None:
+            return None
+        what, z = hit
+        back = self.snapshots.target(step) if self.snapshots is not None else None
+        why = (
+            self.snapshots.off or "no snapshot yet" if back is None
+            else f"max_rollbacks = {self.cfg.max_rollbacks} reached" if self.rollbacks >= self.cfg.max_rollbacks
+            else ""
+        )  # fmt: skip
+        if why:
+            logger.warning(f"autopilot: step {step}: {what} spike (z = {z:.1f}) not rolled back: {why}")
+            return None
+        self.rollbacks += 1
+        self._new_rollbacks += 1
+        self.history = {k: v for k, v in self.history.items() if k <= back.step}
+        self.snapshots.back_to(back.step)
+        trigger = f"{what}_spike"
+        suspect = self.suspect() if self.cfg.on_spike == "promote" else None
+        if suspect is None or not self._promote(back.step + 1, *suspect, trigger, z, seen=step):
+            self._record(Decision(back.step + 1, "", "", trigger, z, "", "", "", step))
+        return back
+
+    def suspect(self) -> tuple[str, str] | None:
+        """``(layer, role)`` the newest statistics table finds worst among the roles that can go up: the
+        most clipped, else the most flushed to zero, else the lowest SQNR (None: no table, or nothing)."""
+        rows = [
+            r for r in self.last_table
+            if not r.get("whatif") and r["layer"] in self.layers and self._next(r["layer"], r["role"])
+        ]  # fmt: skip
+        for key, sign in (("saturation", 1.0), ("underflow", 1.0), ("sqnr_db", -1.0)):
+            scored = [(sign * float(r[key]), r) for r in rows if not math.isnan(float(r[key]))]
+            scored = [(v, r) for v, r in scored if v > 0 or key == "sqnr_db"]
+            if scored:
+                best = max(scored, key=lambda vr: vr[0])[1]
+                return best["layer"], best["role"]
+        return None

@@ -70,10 +70,17 @@ class LowBitsMetricsProcessor(MetricLoggerHook, MetricsProcessor):
         super().__init__(config, config_dict=config_dict, **kwargs)
         # The run's last step (training.steps), always logged: the trainer passes its whole config as a dict.
         self.last_step = int((config_dict or {}).get("training", {}).get("steps", 0))
+        self.last_logged: tuple[int, float, float] | None = None
         if cpu.needs_cpu_adapters():
             # MFU divides by the device's bf16 peak; upstream has none for the CPU and takes an A100's
             # (tools/utils.py get_peak_flops). Its switch for "no MFU" is has_quantization (metrics.py log).
             self.has_quantization = True
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float, **kwargs):
+        """Upstream's log; the step's loss and gradient norm (the same on every rank) are kept in
+        ``last_logged`` for the autopilot's spike trigger (titan/runtime/autopilot.py)."""
+        self.last_logged = (step, float(global_avg_loss), float(grad_norm))
+        return super().log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
 
     def should_log(self, step: int) -> bool:
         """Upstream's steps (1 and every ``log_freq``-th) and the run's last step."""

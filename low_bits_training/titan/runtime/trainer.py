@@ -25,6 +25,7 @@ from low_bits_training.titan.runtime import budget
 from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable
 from low_bits_training.titan.runtime.checkpoint import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
+from low_bits_training.titan.runtime.snapshot import restore
 
 
 def step_seed(base: int, step: int) -> int:
@@ -78,7 +79,41 @@ class LowBitsTrainer(Trainer):
         microbatch sets the quantized layers' stochastic-rounding key from (base seed, step, microbatch,
         rank) (nn/rng.py). A resumed run then draws the same numbers as an uninterrupted one, with no RNG
         state to checkpoint, compiled or eager.
+
+        With the autopilot's spike trigger (``[quantize.autopilot] spike_z``) a host snapshot is taken when
+        due, and a spike rolls the state back to one: the steps after it run again here, with the batches
+        they drew the first time (titan/runtime/snapshot.py), before torchtitan's loop goes on.
         """
+        pilot = extras_for(self).autopilot
+        end, first = self.step, not self.__dict__.get("_lbt_stepped", False)
+        self._lbt_stepped = True
+        source = data_iterator
+        while True:
+            if pilot is not None:
+                pilot.before_step(self, self.step, first)
+            batches = self._lbt_one_step(source)
+            first = False
+            if pilot is None:
+                break
+            if pilot.snapshots is not None:
+                pilot.snapshots.record(self.step, batches)
+            back = pilot.after_step(self, self.step, getattr(self.metrics_processor, "last_logged", None))
+            if back is not None:
+                restore(self, back)  # self.step = back.step
+            if self.step == end:
+                break
+            self.step += 1
+            source = self._lbt_replay(pilot.snapshots.batches[self.step])
+
+    def _lbt_replay(self, batches: list):
+        """The batches a step drew the first time, again (loading them took no time: torchtitan's metrics
+        average the loading times of the step's batches)."""
+        for batch in batches:
+            self.metrics_processor.data_loading_times.append(0.0)
+            yield batch
+
+    def _lbt_one_step(self, data_iterator) -> list:
+        """One step (run again after an autopilot promotion on a non-finite value); returns its batches."""
         batches = Replayable(data_iterator)
         while True:
             torch.manual_seed(step_seed(self._rng_base_seed, self.step))
@@ -98,6 +133,7 @@ class LowBitsTrainer(Trainer):
         budget.report(
             self, per_token
         )  # bytes per parameter of each training state, once (titan/runtime/budget.py)
+        return batches.seen
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM

@@ -31,7 +31,8 @@ class TrainerExtras:
         if cfg.quantize.autopilot.enable:  # [quantize.autopilot]: titan/runtime/autopilot.py
             from low_bits_training.titan.runtime.autopilot import Autopilot
 
-            self.autopilot = Autopilot(cfg.quantize.autopilot, trainer._lbt_schedule, cfg.dump_folder)
+            ckpt = cfg.checkpoint.interval if cfg.checkpoint.enable else 0
+            self.autopilot = Autopilot(cfg.quantize.autopilot, trainer._lbt_schedule, cfg.dump_folder, ckpt)
         pilot = self.autopilot
         self.monitor = NumericsMonitor(
             cfg.numerics,
