@@ -155,10 +155,16 @@ def test_the_autopilots_decisions_get_their_own_table(tmp_path):
     decision = {"step": 1, "layer": "layers.1.feed_forward.w1", "role": "forward.input",
                 "trigger": "nonfinite", "value": "forward.output", "before": "e2m5/none/rne/nosat",
                 "after": "e4m3/none/rne/nosat", "rung": "e4m3"}  # fmt: skip
-    (tmp_path / "autopilot.jsonl").write_text(json.dumps(decision) + "\n")
-    assert load_run(tmp_path).decisions == [decision]
+    spike = {"step": 2, "layer": "", "role": "", "trigger": "loss_spike", "value": 80.0, "before": "",
+             "after": "", "rung": "", "seen": 2}  # fmt: skip
+    (tmp_path / "autopilot.jsonl").write_text(json.dumps(decision) + "\n" + json.dumps(spike) + "\n")
+    assert load_run(tmp_path).decisions == [decision, spike]
     page = build_report([tmp_path], tmp_path / "out").read_text()
-    assert "(1 promotions, 0 rollbacks)</h2>" in page
+    assert "(1 promotions, 1 rollbacks)</h2>" in page
+    assert (
+        '<img alt="autopilot_' in page
+        and (tmp_path / "out" / f"autopilot_{load_run(tmp_path).name}.png").exists()
+    )
     table = re.search(r'<table id="autopilot">(.*?)</table>', page).group(1)
     assert re.findall(r"<td>(.*?)</td>", re.findall(r"<tr>(.*?)</tr>", table)[1]) == [
         "1", "layers.1.feed_forward.w1", "forward.input", "nonfinite", "forward.output",

@@ -118,6 +118,7 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
             back = sum(bool(d.get("seen")) for d in run.decisions)
             parts += [
                 f"<h2>Autopilot: {html.escape(run.name)} ({promoted} promotions, {back} rollbacks)</h2>",
+                _img(figures.autopilot_timeline(run, out)),
                 _table(run.decisions, DECISION_COLUMNS, "autopilot"),
             ]
         alt = whatif_summary(run)

@@ -79,3 +79,41 @@ def heatmap(run: RunData, metric: str, out: Path) -> Path | None:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+TRIGGER_COLORS = {"nonfinite": "tab:red", "spike": "tab:purple", "statistic": "tab:orange"}
+
+
+def _kind(trigger: str) -> str:
+    return "nonfinite" if trigger == "nonfinite" else "spike" if trigger.endswith("_spike") else "statistic"
+
+
+def autopilot_timeline(run: RunData, out: Path) -> Path | None:
+    """The run's loss with the autopilot's decisions over it: a line at each decision's first step under the
+    new plan (red: a NaN / Inf, orange: a statistic, purple: a spike's rollback, with a cross at the step
+    that spiked), labelled with the layer, role and new format. None when the run decided nothing."""
+    if not run.decisions:
+        return None
+    steps, losses = run.series(LOSS)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    if steps:
+        ax.plot(steps, losses, color="tab:blue", lw=1.2, label="loss")
+    top = max((v for v in losses if math.isfinite(v)), default=1.0)
+    seen_kinds = set()
+    for d in run.decisions:
+        kind = _kind(str(d.get("trigger", "")))
+        color = TRIGGER_COLORS[kind]
+        ax.axvline(d["step"], color=color, lw=1, alpha=0.7, label=None if kind in seen_kinds else kind)
+        seen_kinds.add(kind)
+        what = f"{d['layer']} {d['role']} -> {d['after']}" if d.get("layer") else "rollback, same plan"
+        ax.annotate(what, (d["step"], top), rotation=90, fontsize=6, va="top", ha="right", color=color)
+        if d.get("seen"):
+            ax.plot([d["seen"]], [top], marker="x", color=color, ms=7)
+    ax.set(xlabel="step", ylabel="loss (global average)", title=f"autopilot decisions: {run.name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    path = out / f"autopilot_{run.name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
