@@ -125,3 +125,53 @@ def test_a_phase_that_changes_attention_is_refused():
         ConfigError, match=r"changes the plan of layers.0.attention.qk \(an attention product\)"
     ):
         apply_run(config)
+
+
+def test_quantized_attention_too_big_for_the_device_is_one_line():
+    """8 x 16 heads x 8192^2 x 4 B = 34.4 GB per module: refused against a 24 GB device, before any build;
+    full activation checkpointing keeps one module's matrix (the estimate drops), and 128 tokens pass."""
+    from low_bits_training.titan.plan.attention import check_attention_memory, dense_bytes
+    from low_bits_training.titan.plan.targets import resolve_run
+
+    config = _config("bf16", [FP8])
+    config.training.seq_len, config.training.local_batch_size = 8192, 8
+    plans = resolve_run(config).plans
+    one, peak = dense_bytes(config, 6)
+    assert one == 8 * 16 * 8192**2 * 4 and peak == one * (6 + 4)
+    with pytest.raises(ConfigError) as e:
+        check_attention_memory(config, plans, 24 * 10**9)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(
+        "quantize: 6 quantized attention modules keep a dense fp32 (batch x heads x seq x seq) matrix each: "
+        "8 x 16 x 8192 x 8192 x 4 B = 34.4 GB, about 343.6 GB at the backward's peak, more than this device's "
+        "24.0 GB; lower training.seq_len"
+    )
+    check_attention_memory(config, plans, 400 * 10**9)  # fits
+    check_attention_memory(config, {}, 1)  # nothing quantized: nothing to hold
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    config.activation_checkpoint = FullAC.Config()
+    assert dense_bytes(config, 6)[1] == one * (1 + 4)
+
+
+def test_the_launcher_refuses_it_before_any_rank_starts(tmp_path, capsys):
+    from low_bits_training.titan.launch import launcher
+
+    rule = {
+        "layers": ["layers.*.attention.qk", "layers.*.attention.pv"],
+        "format": "e4m3",
+        "scaling": "tensor",
+    }
+    cfg = write_toml(tmp_path / "att.toml", quantize={"rules": [rule]})
+    args = [
+        "--training.seq_len",
+        "8192",
+        "--training.local_batch_size",
+        "8",
+        "--dump_folder",
+        str(tmp_path / "r"),
+    ]
+    code = launcher.main([launcher.CHECK_ONLY, "--", "--config-file", str(cfg), *args])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and "quantized attention modules keep a dense fp32" in err[0]
+    assert not (tmp_path / "r").exists()

@@ -207,6 +207,17 @@ def check_autopilot(config: Any, layout: Layout) -> None:
         )
 
 
+def device_memory() -> int:
+    """Bytes of one device as torchtitan's device module gives them (the CPU adapter's: the host's RAM;
+    0: unknown)."""
+    from torchtitan.tools.utils import device_module
+
+    try:
+        return int(device_module.get_device_properties(0).total_memory)
+    except (AssertionError, RuntimeError, AttributeError):
+        return 0
+
+
 def model_as_trained(config: Any) -> Any:
     """A copy of the model config as the trainer will hold it (after ``update_from_config``).
 
@@ -252,6 +263,8 @@ def check_run(config: Any, world_size: int) -> str | None:
         ConfigError: a value out of range, degrees that do not fit the processes, a model check.
         CheckpointError: a checkpoint the run could not resume.
     """
+    from low_bits_training.titan.plan.attention import check_attention_memory
+    from low_bits_training.titan.plan.targets import run_of
     from low_bits_training.titan.runtime.checkpoint import preflight
 
     check_ranges(config)
@@ -260,5 +273,6 @@ def check_run(config: Any, world_size: int) -> str | None:
     check_comm(config, layout)
     check_numerics(config, layout)
     check_autopilot(config, layout)
+    check_attention_memory(config, run_of(config).plans, device_memory())
     model = model_as_trained(config)
     return preflight(config, trained_fingerprint(config, model), layout.data_ranks)

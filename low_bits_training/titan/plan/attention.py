@@ -18,6 +18,7 @@ from torchtitan.models.common.attention import BaseAttention, FlexAttention
 
 from low_bits_training.config.attention import check_attention_parallelism
 from low_bits_training.config.plan import LayerShape
+from low_bits_training.config.tree import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.attention import PRODUCTS, AttentionPlan, ProductState, quant_attention
 from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
@@ -76,6 +77,54 @@ def attention_layers(model_config, seq_len: int) -> dict[str, LayerShape]:
         out[f"{fqn}.qk"] = LayerShape(h, seq_len, seq_len, kind="qk")
         out[f"{fqn}.pv"] = LayerShape(seq_len, h, seq_len, kind="pv")
     return out
+
+
+TRANSIENT = 4
+"""Dense (B, N, L, S) fp32 tensors alive at once inside one quantized attention's forward or backward besides
+the saved probabilities: the scores, their masked copy, a cast operand and a product (backward: dP, its
+cast, dS and its cast)."""
+
+
+def _heads(config) -> int:
+    return max((cfg.n_heads for _, cfg in _attentions(config.model_spec.model)), default=0)
+
+
+def dense_bytes(config, modules: int) -> tuple[int, int]:
+    """``(bytes of one (B, N, L, S) fp32 matrix, bytes at the peak)`` of ``modules`` quantized attention
+    modules on one rank: each keeps its probabilities P for the backward (one at a time under full
+    activation checkpointing, which recomputes them), plus ``TRANSIENT`` such matrices while one runs. B is
+    the microbatch (``training.local_batch_size``), N the query heads, L = S = ``training.seq_len``."""
+    t = config.training
+    one = t.local_batch_size * _heads(config) * t.seq_len * t.seq_len * 4
+    kept = 1 if type(config.activation_checkpoint).__qualname__ == "FullAC.Config" else modules
+    return one, one * (kept + TRANSIENT)
+
+
+def check_attention_memory(config, plans: dict[str, LinearPlan], memory: int) -> None:
+    """Refuse a plan whose quantized attention cannot hold its dense fp32 matrices in ``memory`` bytes (the
+    device's, as torchtitan's device module gives it): quantized attention computes softmax(Q K^T) V with
+    the whole (B, N, L, S) matrix, as SDPA's math path does, not in blocks.
+
+    Raises:
+        ConfigError: the estimate (``dense_bytes``) passes ``memory``; one line with the sizes and the ways out.
+    """
+    bases = {
+        f.rsplit(".", 1)[0] for f, p in plans.items() if f.endswith(PRODUCTS) and not p.is_high_precision
+    }
+    mine = [fqn for fqn, _ in _attentions(config.model_spec.model) if fqn in bases]
+    if not mine or memory <= 0:
+        return
+    one, peak = dense_bytes(config, len(mine))
+    if peak <= memory:
+        return
+    t, gb = config.training, 1e9
+    raise ConfigError(
+        f"quantize: {len(mine)} quantized attention modules keep a dense fp32 (batch x heads x seq x seq) matrix "
+        f"each: {t.local_batch_size} x {_heads(config)} x {t.seq_len} x "
+        f"{t.seq_len} x 4 B = {one / gb:.1f} GB, about {peak / gb:.1f} GB at the backward's peak, more than this "
+        f"device's {memory / gb:.1f} GB; lower training.seq_len or training.local_batch_size, use "
+        "activation_checkpoint full, or leave the attention products (layers.*.attention.qk / .pv) in high precision"
+    )
 
 
 UNCHANGED = "FlexAttention"
