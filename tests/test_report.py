@@ -170,3 +170,35 @@ def test_the_autopilots_decisions_get_their_own_table(tmp_path):
         "1", "layers.1.feed_forward.w1", "forward.input", "nonfinite", "forward.output",
         "e2m5/none/rne/nosat", "e4m3/none/rne/nosat", "",
     ]  # fmt: skip
+
+
+def test_the_share_of_gemm_flops_per_format_follows_phases_and_promotions(tmp_path):
+    """Layer a (4 x 8) e4m3 everywhere, b (4 x 4) high until a phase from step 3 puts it in e2m1; the
+    autopilot sends a's forward.input to high from step 2; 4 steps. FLOPs per GEMM per step go as in x out:
+    e4m3 x e4m3: 3x32 + 2x32 + 2x2x32 = 288, high: 3x16 x 2 steps = 96, high x e4m3 (a's forward from step 2):
+    3x32 = 96, e2m1 x e2m1: 3x16 x 2 steps = 96; of 576."""
+    from low_bits_training.report.build import build_report
+    from low_bits_training.report.runs import flop_shares, load_run
+
+    roles = ["forward.input", "forward.weight", "dgrad.grad_output", "dgrad.weight", "wgrad.grad_output",
+             "wgrad.input"]  # fmt: skip
+
+    def specs(fmt):
+        return {"specs": {r: None if fmt is None else {"format": fmt, "scaling": "tensor"} for r in roles}}
+
+    _metrics(tmp_path, [_row(s, 8.0 - s / 10, 100.0) for s in range(1, 5)], steps=4)
+    (tmp_path / "gemm_sizes.json").write_text(json.dumps({"a": [4, 8], "b": [4, 4]}))
+    phases = [
+        {"label": "p1", "first_step": 1, "last_step": 2, "plans": {"a": specs("e4m3"), "b": specs(None)}},
+        {"label": "p2", "first_step": 3, "last_step": 4, "plans": {"a": specs("e4m3"), "b": specs("e2m1")}},
+        {"label": "eval", "first_step": 0, "last_step": 0, "plans": {"a": specs(None), "b": specs(None)}},
+    ]
+    (tmp_path / "precision_schedule.json").write_text(json.dumps(phases))
+    promo = {"step": 2, "layer": "a", "role": "forward.input", "trigger": "saturation", "value": 0.1,
+             "before": "e4m3/tensor/rne", "after": "high", "rung": "high", "seen": 0}  # fmt: skip
+    (tmp_path / "autopilot.jsonl").write_text(json.dumps(promo) + "\n")
+    shares = {r["format"]: r["share"] for r in flop_shares(load_run(tmp_path))}
+    assert shares == {"e4m3 x e4m3": 0.5, "high": 1 / 6, "high x e4m3": 1 / 6, "e2m1 x e2m1": 1 / 6}
+    page = build_report([tmp_path], tmp_path / "out").read_text()
+    table = re.search(r'<table id="flops">(.*?)</table>', page).group(1)
+    assert "<td>e4m3 x e4m3</td><td>50.0%</td>" in table

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .runs import RunData, load_run, whatif_summary
+from .runs import RunData, flop_shares, load_run, whatif_summary
 
 COLUMNS = (
     ("run", "run"),
@@ -120,6 +120,14 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
                 f"<h2>Autopilot: {html.escape(run.name)} ({promoted} promotions, {back} rollbacks)</h2>",
                 _img(figures.autopilot_timeline(run, out)),
                 _table(run.decisions, DECISION_COLUMNS, "autopilot"),
+            ]
+        shares = flop_shares(run)
+        if len(shares) > 1 or run.decisions:  # a run whose GEMMs ran in more than one format
+            rows = [{"format": r["format"], "share": f"{100 * r['share']:.1f}%"} for r in shares]
+            parts += [
+                f"<h2>GEMM FLOPs by operand formats: {html.escape(run.name)} (linear layers, steps 1-"
+                f"{run.last_step})</h2>",
+                _table(rows, (("format", "operand formats"), ("share", "share of FLOPs")), "flops"),
             ]
         alt = whatif_summary(run)
         if alt:  # [numerics] whatif: other formats measured on the same live tensors

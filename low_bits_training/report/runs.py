@@ -15,6 +15,7 @@ The numbers every table (sweep, scaling, report) shows come from here:
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -24,14 +25,18 @@ from typing import Any
 from low_bits_training.config.autopilot import AUTOPILOT_FILE
 from low_bits_training.config.runfolder import (
     FIRST_LOG,
+    GEMM_SIZES_JSON,
     LOSS,
     MEMORY,
     METRICS_FILE,
+    PLAN_JSON,
+    SCHEDULE_JSON,
     TPS,
     read_jsonl,
     read_metrics,
     read_total_steps,
 )
+from low_bits_training.nn.roles import GEMMS, ROLE_NAMES
 from low_bits_training.numerics.records import NUMERICS_FILE
 
 
@@ -187,3 +192,54 @@ def heat(run: RunData, metric: str, role: str) -> tuple[list[str], list[int], li
     for r in rows:
         grid[li[r["layer"]]][si[r["step"]]] = _number(r[metric])
     return layers, steps, grid
+
+
+def _gemm_label(specs: dict[str, Any], gemm: str, override: dict[str, str]) -> str:
+    """``"e4m3 x e4m3"`` / ``"high"``: the element formats of one GEMM's two operands (``override``: role ->
+    format an autopilot decision set)."""
+    fmts = []
+    for role in (r for r in ROLE_NAMES if r.startswith(gemm + ".")):
+        spec = specs.get(role)
+        fmts.append(override.get(role, spec["format"] if spec else "high"))
+    return "high" if all(f == "high" for f in fmts) else " x ".join(fmts)
+
+
+def flop_shares(run: RunData) -> list[dict[str, Any]]:
+    """The share of the linear layers' GEMM FLOPs (forward, dgrad, wgrad of every step up to the last logged
+    one) that ran in each pair of operand formats, from the run folder's plan files: ``gemm_sizes.json``
+    (each GEMM of a layer does 2 x tokens x in x out per step), ``precision_schedule.json`` (phases; else
+    ``precision_plan.json`` for every step) and ``autopilot.jsonl`` (a promotion holds from its step on).
+    Empty when the folder has no sizes (a run from before they were written) or no step."""
+    folder, last = Path(run.folder), run.last_step
+    sizes_path = folder / GEMM_SIZES_JSON
+    if last < 1 or not sizes_path.is_file():
+        return []
+    sizes = json.loads(sizes_path.read_text())
+    if (folder / SCHEDULE_JSON).is_file():
+        phases = [p for p in json.loads((folder / SCHEDULE_JSON).read_text()) if p["first_step"] >= 1]
+    elif (folder / PLAN_JSON).is_file():
+        phases = [{"first_step": 1, "plans": json.loads((folder / PLAN_JSON).read_text())}]
+    else:
+        return []
+    phases.sort(key=lambda p: p["first_step"])
+    promotions = [d for d in run.decisions if d.get("layer")]
+    cuts = {1, last + 1} | {p["first_step"] for p in phases} | {int(d["step"]) for d in promotions}
+    edges = sorted(c for c in cuts if 1 <= c <= last + 1)
+    flops: dict[str, float] = {}
+    for start, end in zip(edges, edges[1:], strict=False):
+        plans = [p for p in phases if p["first_step"] <= start][-1]["plans"]
+        now: dict[str, dict[str, str]] = {}
+        for d in promotions:  # in the order taken: a later one on the same role wins
+            if int(d["step"]) <= start:
+                now.setdefault(d["layer"], {})[d["role"]] = str(d["after"]).split("/")[0]
+        for fqn, (n_in, n_out) in sizes.items():
+            specs = plans.get(fqn, {}).get("specs", {})
+            for gemm in GEMMS:
+                label = _gemm_label(specs, gemm, now.get(fqn, {}))
+                flops[label] = flops.get(label, 0.0) + (end - start) * n_in * n_out
+    total = sum(flops.values())
+    return (
+        [{"format": k, "share": v / total} for k, v in sorted(flops.items(), key=lambda kv: -kv[1])]
+        if total
+        else []
+    )

@@ -191,15 +191,21 @@ def plan_text(
 
 
 def save_plan(config, folder: str | os.PathLike) -> Path:
-    """Write ``precision_plan.txt`` (the table), ``precision_plan.json`` and, with a schedule,
-    ``precision_schedule.json`` into ``folder`` (each atomically); log the table.
+    """Write ``precision_plan.txt`` (the table), ``precision_plan.json``, with a schedule
+    ``precision_schedule.json``, and ``gemm_sizes.json`` into ``folder`` (each atomically); log the table.
 
     Returns:
         The path of the text table.
     """
     from torchtitan.tools.logging import logger
 
-    from low_bits_training.config.runfolder import PLAN_JSON, PLAN_TEXT, SCHEDULE_JSON, write_atomic
+    from low_bits_training.config.runfolder import (
+        GEMM_SIZES_JSON,
+        PLAN_JSON,
+        PLAN_TEXT,
+        SCHEDULE_JSON,
+        write_atomic,
+    )
 
     run = run_of(config)
     plans, labels = current_plans(config)
@@ -211,6 +217,8 @@ def save_plan(config, folder: str | os.PathLike) -> Path:
     write_atomic(folder / PLAN_JSON, json.dumps(plan_to_json(plans, labels), indent=1) + "\n")
     if schedule:
         write_atomic(folder / SCHEDULE_JSON, json.dumps(schedule, indent=1) + "\n")
+    sizes = {f: [x.in_features, x.out_features] for f, x in run.shapes.items() if x.kind == "linear"}
+    write_atomic(folder / GEMM_SIZES_JSON, json.dumps(sizes, indent=1) + "\n")
     logger.info("Precision plan:\n" + head + table)
     return folder / PLAN_TEXT
 
