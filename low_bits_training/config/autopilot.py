@@ -88,6 +88,10 @@ class AutopilotConfig(Section):
     none and says so once (spikes are then logged, not acted on)."""
     max_rollbacks: Annotated[int, AtLeast(0)] = 8
     """Rollbacks in a run at most; past it a spike is only logged."""
+    demote_after: Annotated[int, AtLeast(0, "0: never")] = 0
+    """Steps a promoted role runs with no new promotion before it is tried one rung down again (the format
+    it left); each demotion of a role doubles its next wait, so a role that keeps failing settles up the
+    ladder (0: never demote)."""
 
     def check(self) -> None:
         """Raises: ConfigError (one line) for a field out of range or a rung that names nothing."""

@@ -114,10 +114,12 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
         if any(paths):
             parts += [f"<h2>Numerics: {html.escape(run.name)}</h2>", *(_img(p) for p in paths if p)]
         if run.decisions:  # [quantize.autopilot]: every promotion and rollback of the run
-            promoted = sum(bool(d.get("layer")) for d in run.decisions)
+            down = sum(d.get("trigger") == "clean" for d in run.decisions)
+            promoted = sum(bool(d.get("layer")) for d in run.decisions) - down
             back = sum(bool(d.get("seen")) for d in run.decisions)
+            counts = f"{promoted} promotions, {back} rollbacks" + (f", {down} demotions" if down else "")
             parts += [
-                f"<h2>Autopilot: {html.escape(run.name)} ({promoted} promotions, {back} rollbacks)</h2>",
+                f"<h2>Autopilot: {html.escape(run.name)} ({counts})</h2>",
                 _img(figures.autopilot_timeline(run, out)),
                 _table(run.decisions, DECISION_COLUMNS, "autopilot"),
             ]

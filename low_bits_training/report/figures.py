@@ -81,17 +81,24 @@ def heatmap(run: RunData, metric: str, out: Path) -> Path | None:
     return path
 
 
-TRIGGER_COLORS = {"nonfinite": "tab:red", "spike": "tab:purple", "statistic": "tab:orange"}
+TRIGGER_COLORS = {
+    "nonfinite": "tab:red",
+    "spike": "tab:purple",
+    "statistic": "tab:orange",
+    "demotion": "tab:green",
+}
 
 
 def _kind(trigger: str) -> str:
-    return "nonfinite" if trigger == "nonfinite" else "spike" if trigger.endswith("_spike") else "statistic"
+    if trigger in ("nonfinite", "clean"):
+        return "demotion" if trigger == "clean" else trigger
+    return "spike" if trigger.endswith("_spike") else "statistic"
 
 
 def autopilot_timeline(run: RunData, out: Path) -> Path | None:
     """The run's loss with the autopilot's decisions over it: a line at each decision's first step under the
     new plan (red: a NaN / Inf, orange: a statistic, purple: a spike's rollback, with a cross at the step
-    that spiked), labelled with the layer, role and new format. None when the run decided nothing."""
+    that spiked, green: a demotion), labelled with the layer, role and new format. None when the run decided nothing."""
     if not run.decisions:
         return None
     steps, losses = run.series(LOSS)

@@ -252,3 +252,49 @@ def test_a_spike_without_a_snapshot_or_past_the_cap_is_only_logged(tmp_path):
     assert back.step == 9 and pilot.decisions[-1].layer == ""  # the same plan again
     assert pilot.after_step(None, 12, (12, 40.0, 1.0)) is None  # max_rollbacks = 1
     assert pilot.after_step(None, 13, (12, 40.0, 1.0)) is None  # a step that logged nothing
+
+
+def test_a_promoted_role_is_tried_one_rung_down_after_clean_steps_and_waits_twice_as_long_after(tmp_path):
+    pilot, layers = _pilot(tmp_path, [E2M5_INPUT], ladder=["e2m5", "e4m3", "high"], demote_after=5)
+    layer = layers["layers.1.w"]
+    assert pilot.on_nonfinite(NonFinite(3, "layers.1.w", "forward.output", 0))  # e2m5 -> e4m3 at step 3
+    for step in range(4, 8):
+        pilot.begin_step(step)
+        assert layer.plan.spec("forward.input").format == "e4m3"
+    pilot.begin_step(8)  # 5 steps since step 3: back down
+    assert layer.plan.spec("forward.input").short() == "e2m5/none/rne/nosat"
+    d = pilot.decisions[-1]
+    assert (d.step, d.trigger, d.value, d.before, d.after, d.rung) == (
+        8,
+        "clean",
+        5.0,
+        "e4m3/none/rne/nosat",
+        "e2m5/none/rne/nosat",
+        "down",
+    )
+    assert pilot.metrics() == {"autopilot/promotions": 1.0, "autopilot/demotions": 1.0}
+    pilot.begin_step(9)
+    assert pilot.on_nonfinite(NonFinite(9, "layers.1.w", "forward.output", 0))  # fails again: up again
+    for step in range(10, 19):
+        pilot.begin_step(step)  # the wait is now 10 steps
+    assert layer.plan.spec("forward.input").format == "e4m3"
+    pilot.begin_step(19)
+    assert layer.plan.spec("forward.input").format == "e2m5"
+    # A resume at step 12 replays the decisions before it: up, down, up; the next demotion waits 10 as well.
+    shapes = {f"layers.{i}.w": LayerShape(256, 256, 256) for i in range(2)}
+    quantize = QuantizeConfig(recipe="bf16", skip=[], rules=[E2M5_INPUT])
+    plans = resolve_plan(quantize, shapes)
+    again_layers = [(f, _Layer(plans[f])) for f in shapes]
+    sched = PrecisionSchedule(resolve_schedule(quantize, shapes, steps=100), again_layers)
+    sched.begin_step(12)
+    again = Autopilot(
+        AutopilotConfig(enable=True, ladder=["e2m5", "e4m3", "high"], demote_after=5), sched, str(tmp_path)
+    )
+    again.begin_step(12)
+    got = dict(again_layers)["layers.1.w"]
+    assert got.plan.spec("forward.input").format == "e4m3"
+    for step in range(13, 19):
+        again.begin_step(step)
+    assert got.plan.spec("forward.input").format == "e4m3"
+    again.begin_step(19)
+    assert got.plan.spec("forward.input").format == "e2m5"

@@ -10,6 +10,9 @@ Two ways in (``config/autopilot.py`` has the section and the ladder):
 - ``on_stats``: a statistics step's table (reduced over ranks) has a role over a threshold; it goes one
   rung up from the next step.
 
+With ``demote_after`` a promoted role goes back down to the spec it left once it ran that many steps
+(doubled for each earlier demotion of it) since its last move; a role that fails again is promoted again.
+
 Promotions are overrides on the precision schedule (``titan.plan.schedule.PrecisionSchedule.override``):
 they hold over every later phase. Each decision is logged (one line), counted in the metrics
 (``autopilot/promotions``) and appended to ``<dump_folder>/autopilot.jsonl`` (rank 0). A resumed run reads
@@ -36,6 +39,10 @@ PROMOTIONS = "autopilot/promotions"
 """Metric: promotions so far in the run (logged at each step that promotes)."""
 ROLLBACKS = "autopilot/rollbacks"
 """Metric: rollbacks to a host snapshot so far (logged at each step that rolls back)."""
+DEMOTIONS = "autopilot/demotions"
+"""Metric: demotions so far (``demote_after``; logged at each step that demotes)."""
+DEMOTE = "clean"
+"""The trigger (and rung) of a demotion: the role ran ``value`` steps since its last move."""
 
 
 class RedoStep(Exception):
@@ -73,8 +80,9 @@ class Decision:
     layer: str
     role: str
     trigger: str
-    """``nonfinite`` (a NaN / Inf in ``value``'s GEMM product) or a statistic (``saturation``, ``underflow``,
-    ``sqnr_db``)."""
+    """``nonfinite`` (a NaN / Inf in ``value``'s GEMM product), a statistic (``saturation``, ``underflow``,
+    ``sqnr_db``), a spike (``loss_spike``, ``grad_norm_spike``) or ``clean`` (a demotion after ``value``
+    steps)."""
     value: float | str
     """The statistic's figure, or the flag slot that was non-finite (``forward.output``)."""
     before: str
@@ -126,7 +134,10 @@ class Autopilot:
         self.redos, self._step = 0, 0
         self._started = False
         self._new = 0  # promotions not yet in the metrics
-        self.rollbacks, self._new_rollbacks = 0, 0
+        self.rollbacks, self._new_rollbacks, self._new_demotions = 0, 0, 0
+        self._below: dict[tuple[str, str], list] = {}  # (layer, role) -> the specs it was promoted from
+        self._since: dict[tuple[str, str], int] = {}  # ... -> the step of its last promotion or demotion
+        self._demoted: dict[tuple[str, str], int] = {}  # ... -> how many times it went down again
         self.history: dict[int, tuple[float, float]] = {}  # logged step -> (loss, grad norm)
         self.last_table: list[dict] = []  # the newest statistics table (the spike's suspect)
         self.snapshots = None
@@ -147,11 +158,14 @@ class Autopilot:
 
     def begin_step(self, step: int) -> None:
         """Before each step and each run of it again (after the schedule's): on the first, replay the
-        decisions of earlier steps."""
+        decisions of earlier steps; then demote the roles whose wait is over (``demote_after``)."""
         if step != self._step:
             self._step, self.redos = step, 0  # a run of the same step again keeps its count
-        if self._started:
-            return
+        if not self._started:
+            self._replay(step)
+        self._demote(step)
+
+    def _replay(self, step: int) -> None:
         self._started = True
         earlier = [Decision(**row) for row in read_jsonl(self.path) if row["step"] < step]
         for d in earlier:
@@ -164,10 +178,44 @@ class Autopilot:
             logger.info(f"autopilot: replayed {len(earlier)} decisions of steps before {step}")
 
     def _apply(self, d: Decision) -> None:
-        got = self._next(d.layer, d.role) if d.layer in self.layers else None
-        if got is not None:
-            self.schedule.override(d.layer, d.role, got[0])
+        """Take decision ``d`` again (a resumed run): the same moves in the same order give the same plans."""
+        key = (d.layer, d.role)
+        if d.trigger == DEMOTE and self._below.get(key):
+            self._go_down(d.step, key)
+        elif d.trigger != DEMOTE and d.layer in self.layers:
+            before = self.layers[d.layer].plan.spec(d.role)
+            got = self._next(d.layer, d.role)
+            if got is not None:
+                self.schedule.override(d.layer, d.role, got[0])
+                self._went_up(d.step, key, before)
         self.decisions.append(d)
+
+    def _went_up(self, step: int, key: tuple[str, str], before) -> None:
+        self._below.setdefault(key, []).append(before)
+        self._since[key] = step
+
+    def _go_down(self, step: int, key: tuple[str, str]):
+        """Put ``key`` back on the spec it was last promoted from; returns ``(now, then)`` specs."""
+        layer, role = key
+        now, then = self.layers[layer].plan.spec(role), self._below[key].pop()
+        self.schedule.override(layer, role, then)
+        self._demoted[key] = self._demoted.get(key, 0) + 1
+        self._since[key] = step
+        return now, then
+
+    def _demote(self, step: int) -> None:
+        """Try each promoted role one rung down once it ran ``demote_after x 2^(its demotions)`` steps since
+        its last move."""
+        if not self.cfg.demote_after:
+            return
+        for key, below in list(self._below.items()):
+            wait = self.cfg.demote_after * 2 ** self._demoted.get(key, 0)
+            if not below or step - self._since[key] < wait:
+                continue
+            clean = step - self._since[key]
+            now, then = self._go_down(step, key)
+            self._record(Decision(step, *key, DEMOTE, float(clean), _label(now), _label(then), "down"))
+            self._new_demotions += 1
 
     def _next(self, layer: str, role: str):
         """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``config.autopilot.promote``)."""
@@ -175,7 +223,11 @@ class Autopilot:
 
     @property
     def promotions(self) -> int:
-        return sum(bool(d.layer) for d in self.decisions)
+        return sum(bool(d.layer) and d.trigger != DEMOTE for d in self.decisions)
+
+    @property
+    def demotions(self) -> int:
+        return sum(d.trigger == DEMOTE for d in self.decisions)
 
     def _promote(self, step: int, layer: str, role: str, trigger: str, value, seen: int = 0) -> bool:
         """Move ``role`` of ``layer`` one rung up (False: nothing above, refused, or the cap reached)."""
@@ -191,6 +243,7 @@ class Autopilot:
             logger.warning(f"autopilot: {layer} {role} not promoted to {got[1]!r}: {e}")
             return False
         self._record(Decision(step, layer, role, trigger, value, _label(spec), _label(got[0]), got[1], seen))
+        self._went_up(step, (layer, role), spec)
         self._new += 1
         return True
 
@@ -251,7 +304,9 @@ class Autopilot:
             out[PROMOTIONS] = float(self.promotions)
         if self._new_rollbacks:
             out[ROLLBACKS] = float(self.rollbacks)
-        self._new = self._new_rollbacks = 0
+        if self._new_demotions:
+            out[DEMOTIONS] = float(self.demotions)
+        self._new = self._new_rollbacks = self._new_demotions = 0
         return out
 
     # -- spikes: snapshots and rollback (titan/runtime/snapshot.py; the trainer replays) --
