@@ -74,7 +74,12 @@ class AutopilotConfig(Section):
     median absolute deviation of the last ``spike_window`` logged steps) above the median is a spike: the
     run rolls back in memory to a host snapshot and goes on from there (0: off, no snapshots kept)."""
     spike_window: Annotated[int, AtLeast(4)] = 32
-    """Logged steps the spike statistic reads (it needs at least 8 of them, or the whole window if smaller)."""
+    """Logged steps the spike statistic reads; it fires only once the window is full (no spike is judged in
+    the first ``spike_window`` logged steps, where the gradient norm moves fast by itself)."""
+    spike_loss_rise: Annotated[float, AtLeast(0.0)] = 0.25
+    """A loss spike must also lie this share above the window's median (0.25: 25% higher)."""
+    spike_grad_rise: Annotated[float, AtLeast(0.0)] = 1.0
+    """A gradient-norm spike must also lie this share above the window's median (1.0: twice the median)."""
     on_spike: SpikeAction = "promote"
     """After a rollback: ``promote`` the role that the last statistics step found worst (most clipped,
     then most flushed to zero, then lowest SQNR) and replay the steps under the new plan; ``rollback``

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -115,10 +116,6 @@ def robust_z(history: list[float], value: float) -> float:
     return (value - med) / scale
 
 
-SPIKE_MIN = 8
-"""Logged steps the spike statistic needs before it fires (or the whole window when that is smaller)."""
-
-
 def _label(spec) -> str:
     return spec.short() if spec is not None else "high"
 
@@ -135,6 +132,7 @@ class Autopilot:
         self._started = False
         self._new = 0  # promotions not yet in the metrics
         self.rollbacks, self._new_rollbacks, self._new_demotions = 0, 0, 0
+        self._rolled: dict[int, int] = {}  # step that spiked -> rollbacks it caused
         self._below: dict[tuple[str, str], list] = {}  # (layer, role) -> the specs it was promoted from
         self._since: dict[tuple[str, str], int] = {}  # ... -> the step of its last promotion or demotion
         self._demoted: dict[tuple[str, str], int] = {}  # ... -> how many times it went down again
@@ -330,18 +328,21 @@ class Autopilot:
             )
 
     def spike(self, step: int, loss: float, grad_norm: float) -> tuple[str, float] | None:
-        """``(what, z)`` when ``step``'s logged loss or gradient norm spikes (``robust_z`` over the window of
-        earlier logged steps above ``spike_z``), else None. The step joins the window either way."""
+        """``(what, z)`` when ``step``'s logged loss or gradient norm spikes, else None: over a full window of
+        earlier logged steps, ``robust_z`` above ``spike_z`` and the value above the median by its share
+        (``spike_loss_rise``, ``spike_grad_rise``). The step joins the window either way."""
         cfg = self.cfg
         if not cfg.spike_z:
             return None
         past = [v for k, v in sorted(self.history.items()) if k < step][-cfg.spike_window :]
         self.history[step] = (loss, grad_norm)
-        if len(past) < min(SPIKE_MIN, cfg.spike_window):
+        if len(past) < cfg.spike_window:
             return None
+        rises = (cfg.spike_loss_rise, cfg.spike_grad_rise)
         for i, what in enumerate(("loss", "grad_norm")):
-            z = robust_z([v[i] for v in past], (loss, grad_norm)[i])
-            if z > cfg.spike_z:
+            window, value = [v[i] for v in past], (loss, grad_norm)[i]
+            z = robust_z(window, value)
+            if z > cfg.spike_z and value > statistics.median(window) * (1 + rises[i]):
                 return what, z
         return None
 
@@ -363,12 +364,19 @@ class Autopilot:
         if why:
             logger.warning(f"autopilot: step {step}: {what} spike (z = {z:.1f}) not rolled back: {why}")
             return None
+        suspect = self.suspect() if self.cfg.on_spike == "promote" else None
+        if suspect is None and self._rolled.get(step):
+            logger.warning(
+                f"autopilot: step {step}: {what} spike (z = {z:.1f}) again after a replay under the same plan: "
+                "kept (it is not a transient fault, and no role is left to promote)"
+            )
+            return None
         self.rollbacks += 1
         self._new_rollbacks += 1
+        self._rolled[step] = self._rolled.get(step, 0) + 1
         self.history = {k: v for k, v in self.history.items() if k <= back.step}
         self.snapshots.back_to(back.step)
         trigger = f"{what}_spike"
-        suspect = self.suspect() if self.cfg.on_spike == "promote" else None
         if suspect is None or not self._promote(back.step + 1, *suspect, trigger, z, seen=step):
             self._record(Decision(back.step + 1, "", "", trigger, z, "", "", "", step))
         return back
@@ -376,6 +384,8 @@ class Autopilot:
     def suspect(self) -> tuple[str, str] | None:
         """``(layer, role)`` the newest statistics table finds worst among the roles that can go up: the
         most clipped, else the most flushed to zero, else the lowest SQNR (None: no table, or nothing)."""
+        if self.promotions >= self.cfg.max_promotions:
+            return None
         rows = [
             r for r in self.last_table
             if not r.get("whatif") and r["layer"] in self.layers and self._next(r["layer"], r["role"])
