@@ -70,17 +70,18 @@ class _Layer:
         self.plan = plan
 
 
-def _pilot(tmp_path, rules, **cfg):
-    """An autopilot over two layers whose plans come from ``rules`` on the bf16 recipe."""
+def _pilot(tmp_path, rules, start=1, **cfg):
+    """An autopilot over two layers whose plans come from ``rules`` on the bf16 recipe, at step ``start`` (a
+    later one: a resumed run, which replays the decisions in ``tmp_path`` before it)."""
     shapes = {f"layers.{i}.w": LayerShape(256, 256, 256) for i in range(2)}
     quantize = QuantizeConfig(recipe="bf16", skip=[], rules=rules)
     plans = resolve_plan(quantize, shapes)
     schedule = resolve_schedule(quantize, shapes, steps=100)
     layers = [(f, _Layer(plans[f])) for f in shapes]
     sched = PrecisionSchedule(schedule, layers)
-    sched.begin_step(1)
+    sched.begin_step(start)
     pilot = Autopilot(AutopilotConfig(enable=True, **cfg), sched, str(tmp_path))
-    pilot.begin_step(1)
+    pilot.begin_step(start)
     return pilot, dict(layers)
 
 
@@ -147,15 +148,7 @@ def test_a_resumed_run_replays_the_decisions_before_its_first_step(tmp_path):
     first.on_stats(10, [dict(row, layer="layers.0.w")])
     first.on_stats(20, [dict(row, layer="layers.1.w")])
     # A resume from step 15's checkpoint: step 10's decision is replayed, step 20's (redone) is dropped.
-    shapes = {f"layers.{i}.w": LayerShape(256, 256, 256) for i in range(2)}
-    quantize = QuantizeConfig(recipe="bf16", skip=[], rules=[grads])
-    plans = resolve_plan(quantize, shapes)
-    layers = [(f, _Layer(plans[f])) for f in shapes]
-    sched = PrecisionSchedule(resolve_schedule(quantize, shapes, steps=100), layers)
-    sched.begin_step(16)
-    again = Autopilot(AutopilotConfig(enable=True), sched, str(tmp_path))
-    again.begin_step(16)
-    got = dict(layers)
+    _, got = _pilot(tmp_path, [grads], start=16)
     assert got["layers.0.w"].plan.spec("dgrad.grad_output") is None
     assert got["layers.1.w"].plan.spec("dgrad.grad_output") is not None
     assert [json.loads(x)["step"] for x in (tmp_path / AUTOPILOT_FILE).read_text().splitlines()] == [10]
@@ -285,17 +278,10 @@ def test_a_promoted_role_is_tried_one_rung_down_after_clean_steps_and_waits_twic
     pilot.begin_step(19)
     assert layer.plan.spec("forward.input").format == "e2m5"
     # A resume at step 12 replays the decisions before it: up, down, up; the next demotion waits 10 as well.
-    shapes = {f"layers.{i}.w": LayerShape(256, 256, 256) for i in range(2)}
-    quantize = QuantizeConfig(recipe="bf16", skip=[], rules=[E2M5_INPUT])
-    plans = resolve_plan(quantize, shapes)
-    again_layers = [(f, _Layer(plans[f])) for f in shapes]
-    sched = PrecisionSchedule(resolve_schedule(quantize, shapes, steps=100), again_layers)
-    sched.begin_step(12)
-    again = Autopilot(
-        AutopilotConfig(enable=True, ladder=["e2m5", "e4m3", "high"], demote_after=5), sched, str(tmp_path)
+    again, again_layers = _pilot(
+        tmp_path, [E2M5_INPUT], start=12, ladder=["e2m5", "e4m3", "high"], demote_after=5
     )
-    again.begin_step(12)
-    got = dict(again_layers)["layers.1.w"]
+    got = again_layers["layers.1.w"]
     assert got.plan.spec("forward.input").format == "e4m3"
     for step in range(13, 19):
         again.begin_step(step)
