@@ -23,6 +23,10 @@ KEEP = 2
 """Snapshots kept: the newest and the one before it."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types copied as they are (a subclass, e.g. a quantized state, is deep-copied)."""
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the same storage: written in place, the DTensor changes), else ``t``."""
     if not isinstance(t, DTensor):
@@ -39,9 +43,6 @@ def _to_host(v):
             return local.to("cpu", copy=True)
         return copy.deepcopy(local).cpu()
     return copy.deepcopy(v)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _in_place(live, saved) -> bool:
