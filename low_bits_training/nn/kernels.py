@@ -91,10 +91,15 @@ def mm_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     = "bf16"``, set for this call only): on CPUs with AMX (``cpu_bf16_gemm``) a bf16 kernel, 3-5x faster
     than the fp32 GEMM, and exact here because rounding a bf16 number to bf16 changes nothing. Without AMX
     oneDNN runs its fp32 kernel (the same products and sums, in another order; measured on an AVX512-BF16
-    Xeon without AMX). Elsewhere a plain fp32 GEMM (TF32, if enabled, keeps bf16 numbers exact too). An
-    opaque op to torch.compile, so compiled and eager runs call the same kernel. The setting is process-wide for the call's duration: an fp32 GEMM another thread ran
-    in that window would take bf16 inputs too (training runs its GEMMs on one thread per rank).
+    Xeon without AMX). On CUDA a bf16 tensor-core GEMM with an fp32 result (``torch.mm(..., out_dtype=
+    torch.float32)``, cuBLAS with fp32 compute; exact conversions, as the values are bf16 numbers) instead of
+    the fp32 GEMM, which without TF32 (torch's default) runs on no tensor core. Other devices: the fp32 GEMM.
+    An opaque op to torch.compile, so compiled and eager runs call the same kernel. The CPU setting is
+    process-wide for the call's duration: an fp32 GEMM another thread ran in that window would take bf16
+    inputs too (training runs its GEMMs on one thread per rank).
     """
+    if a.device.type == "cuda":
+        return tensor_core_mm(a, b)
     if a.device.type != "cpu":
         return torch.mm(a, b)
     matmul = torch.backends.mkldnn.matmul
@@ -104,6 +109,12 @@ def mm_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b)
     finally:
         matmul.fp32_precision = before
+
+
+def tensor_core_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``mm_fp32_accumulate`` on CUDA: bf16 operands (exact: their values are bf16 numbers), fp32 compute and
+    result (``aten::mm.dtype``, registered for CUDA and meta only; not run on a GPU by our tests)."""
+    return torch.mm(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
 
 
 @mm_fp32_accumulate.register_fake

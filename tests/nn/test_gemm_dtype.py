@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from low_bits_training.formats import factored_quantize, fake_quantize
-from low_bits_training.nn import ROLES, LinearPlan
+from low_bits_training.nn import ROLES, LinearPlan, kernels
 from low_bits_training.nn.functional import GEMM_OPERANDS, gemm_dtype, quant_linear
 
 EXPECTED = {  # recipe -> GEMM of the (forward, dgrad, wgrad) products with bf16 activations and weights
@@ -111,3 +111,23 @@ def test_cpu_bf16_gemm_names_the_units_the_cpu_reports(monkeypatch, amx, avx512_
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     assert kernels.cpu_bf16_gemm() == expected
     assert f"bf16 GEMM units: {expected}," in kernels.machine_line()
+
+
+def test_the_cuda_gemm_multiplies_bf16_operands_into_an_fp32_result():
+    """On CUDA ``mm_fp32_accumulate`` is a bf16 tensor-core GEMM with an fp32 result; checked on the meta
+    device, where ``aten::mm.dtype`` is registered as on CUDA (no GPU runs in the tests)."""
+    seen = []
+
+    class _Calls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func, tuple(a.dtype for a in args if isinstance(a, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.empty(64, 128, device="meta"), torch.empty(128, 96, device="meta")
+    with _Calls():
+        y = kernels.tensor_core_mm(a, b)
+    assert (y.shape, y.dtype) == ((64, 96), torch.float32)
+    mms = [(func, dtypes) for func, dtypes in seen if func.overloadpacket is torch.ops.aten.mm]
+    assert mms == [(torch.ops.aten.mm.dtype, (torch.bfloat16, torch.bfloat16))]  # mm.dtype: out_dtype given
+    x = _operands(torch.bfloat16)[0].float()  # the op's precondition: bf16 numbers survive the conversion
+    assert torch.equal(x.bfloat16().float(), x)
