@@ -16,10 +16,9 @@ all-reduced over its shards before it enters the history (``nn.cast``), as curre
 
 from __future__ import annotations
 
-import dataclasses
-
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLES
+from low_bits_training.nn.grouped import grouped_spec
 from low_bits_training.nn.roles import operand_problem
 
 from .attention import contraction
@@ -45,9 +44,8 @@ def _set_options(spec: QuantSpec) -> list[str]:
 
 def grouped_specs(specs: dict[str, QuantSpec | None]) -> dict[str, QuantSpec | None]:
     """A recipe's role specs as MoE expert weights take them: the options their grouped GEMM lacks
-    (``_OPTIONS``) set back to their defaults (RHT off, current scaling, cast from high precision)."""
-    plain = {"rht": 0, "amax_history": 0, "source": "high"}
-    return {r: None if s is None else dataclasses.replace(s, **plain) for r, s in specs.items()}
+    (``_OPTIONS``) set back to their defaults (``nn.grouped.grouped_spec``)."""
+    return {r: grouped_spec(s) for r, s in specs.items()}
 
 
 def check_layer_options(

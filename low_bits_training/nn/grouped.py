@@ -17,6 +17,7 @@ expert's zero-padded rows on its own (``tests/nn/test_grouped.py`` holds it to t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -283,14 +284,40 @@ def grouped_linear(
     return GroupedQuantMatmul.apply(x, w, offs, *tuple(state)[:3], plan, probe.mode())  # key, stats, flags
 
 
+_PLAIN_OPTIONS = {"rht": 0, "amax_history": 0, "source": "high"}
+"""The operand options the grouped GEMM lacks, at the values that turn them off."""
+
+
+def grouped_spec(spec: QuantSpec | None) -> QuantSpec | None:
+    """``spec`` as an expert weight takes it: RHT off, current scaling, cast from high precision (the grouped
+    GEMM implements none of the three)."""
+    return None if spec is None else dataclasses.replace(spec, **_PLAIN_OPTIONS)
+
+
 class GroupedQuantState(QuantState, nn.Module):
     """The plan and the key / probe buffers of one stacked expert weight (no parameters): a ``QuantState``
-    like ``QuantLinear``'s, so every tool reads an expert weight as it reads a linear layer."""
+    like ``QuantLinear``'s, so every tool reads an expert weight as it reads a linear layer.
 
-    def __init__(self, plan: LinearPlan, name: str = "", device=None):
+    ``pad`` is the row multiple the experts module's dispatcher pads each expert's tokens to: a plan switched
+    in mid-run (a phase, the autopilot) must need a divisor of it (``check_plan``)."""
+
+    def __init__(self, plan: LinearPlan, name: str = "", device=None, pad: int = 1):
         super().__init__()
-        self.plan, self.lbt_target = plan, name
+        self.plan, self.lbt_target, self.pad = plan, name, pad
         self.init_state_buffers(device, name)
+
+    def fit_spec(self, spec: QuantSpec | None) -> QuantSpec | None:
+        return grouped_spec(spec)
+
+    def check_plan(self, plan: LinearPlan) -> None:
+        need = pad_multiple(plan)
+        if self.pad % need:
+            raise ValueError(
+                f"its blocks along the tokens need each expert's rows padded to a multiple of {need}; the "
+                f"dispatcher pads to {self.pad} (a plan of some phase with those blocks pads for them)"
+            )
+        if any(s != grouped_spec(s) for s in plan.specs):
+            raise ValueError("expert weights take no RHT, delayed scaling or forward-cast source")
 
     def extra_repr(self) -> str:
         return self.quantized_roles()

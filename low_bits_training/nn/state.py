@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from low_bits_training.formats import QuantSpec
+
 from . import delayed, probe, rng
 from .functional import GemmState
 from .roles import LinearPlan
@@ -60,6 +62,14 @@ class QuantState:
     def state(self) -> GemmState:
         """The key, probe and amax-history tensors the quantized GEMMs update in place."""
         return GemmState(self.lbt_key, self.lbt_stats, self.lbt_flags, getattr(self, HISTORY_BUFFER, None))
+
+    def fit_spec(self, spec: QuantSpec | None) -> QuantSpec | None:
+        """``spec`` as this target takes it when a role switches mid-run (the autopilot's promotions): the
+        same, unless the target's kernel lacks some of its options (an expert weight's grouped GEMM)."""
+        return spec
+
+    def check_plan(self, plan: LinearPlan) -> None:
+        """Raise ``ValueError`` (why, one line) when this target, as built, cannot run ``plan`` mid-run."""
 
     def quantized_roles(self) -> str:
         """``quantized_roles=N/6`` (for ``extra_repr``)."""

@@ -13,6 +13,7 @@ from low_bits_training.config.schedule import resolve_schedule
 from low_bits_training.config.tree import ConfigError, build_dataclass
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.state import QuantState
 from low_bits_training.numerics import NonFinite
 from low_bits_training.titan.plan.schedule import PrecisionSchedule
 from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable, robust_z
@@ -65,9 +66,17 @@ def test_bad_autopilot_keys_are_one_line_naming_the_key(fields, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-class _Layer:
+class _Layer(QuantState):
     def __init__(self, plan):
         self.plan = plan
+
+
+class _Padded(_Layer):
+    """A target that, as built, runs no block along the tokens (an expert weight whose dispatcher pads to 1)."""
+
+    def check_plan(self, plan):
+        if any(s is not None and s.scaling == "block" for s in plan.specs):
+            raise ValueError("needs padding")
 
 
 def _pilot(tmp_path, rules, start=1, **cfg):
@@ -301,3 +310,14 @@ def test_a_spike_that_comes_back_after_a_replay_under_the_same_plan_is_kept(tmp_
     assert pilot.after_step(None, 10, (10, 5.0, 1.0)) is None  # the replay
     assert pilot.after_step(None, 11, (11, 40.0, 1.0)) is None  # the same spike again: kept
     assert pilot.rollbacks == 1
+
+
+def test_a_rung_the_target_cannot_run_is_not_taken(tmp_path):
+    """``QuantState.check_plan`` refuses the promoted plan: the role keeps its spec, nothing is recorded."""
+    pilot, layers = _pilot(tmp_path, [E2M5_INPUT], ladder=["e2m5", "mxfp8", "high"])
+    padded = _Padded(layers["layers.1.w"].plan)
+    pilot.schedule.layers[1] = ("layers.1.w", padded)
+    pilot.layers["layers.1.w"] = padded
+    assert not pilot.on_nonfinite(NonFinite(1, "layers.1.w", "forward.output", 0))
+    assert padded.plan.spec("forward.input").short() == "e2m5/none/rne/nosat"
+    assert pilot.decisions == [] and pilot.schedule.overrides["layers.1.w"] == {}

@@ -211,3 +211,21 @@ def test_compiled_backward_keeps_the_expert_weights_not_their_cast(recipe, monke
     assert (w.numel(), torch.float32) not in saved, saved
     assert (w.numel(), torch.bfloat16) in saved  # the weights themselves
     assert all(torch.equal(a, b) for a, b in zip(kept, recast, strict=True))
+
+
+def test_an_expert_weight_takes_a_plan_mid_run_only_within_its_padding():
+    """``GroupedQuantState`` as the schedule and the autopilot switch it: a promoted spec loses the options
+    the grouped GEMM lacks (``fit_spec``); a plan whose token blocks need more padding than the dispatcher
+    gives, or with an RHT, is refused in one line (``check_plan``)."""
+    from low_bits_training.nn.grouped import GroupedQuantState, grouped_spec
+
+    mx, nv = LinearPlan.from_recipe("mxfp8"), LinearPlan.from_recipe("nvfp4")
+    state = GroupedQuantState(LinearPlan(), "layers.0.moe.routed_experts.inner_experts.w1", pad=16)
+    rht = next(s for s in nv.specs if s is not None and s.rht)
+    assert state.fit_spec(rht) == dataclasses.replace(rht, rht=0) == grouped_spec(rht)
+    assert state.fit_spec(None) is None
+    state.check_plan(LinearPlan(tuple(grouped_spec(s) for s in nv.specs)))  # 16-blocks: pads to 16
+    with pytest.raises(ValueError, match=r"padded to a multiple of 32; the dispatcher pads to 16"):
+        state.check_plan(mx)
+    with pytest.raises(ValueError, match="no RHT, delayed scaling or forward-cast source"):
+        state.check_plan(nv)

@@ -19,7 +19,9 @@ import shutil
 
 import pytest
 
-from helpers import train, write_toml
+from helpers import REPO, train, write_toml
+
+MOE_TOML = REPO / "train_configs" / "debug_moe.toml"
 
 LAYER = "layers.1.feed_forward.w1"
 SEED = ("--debug.seed", "0")
@@ -87,6 +89,28 @@ def test_a_nan_is_healed_in_its_step_and_a_resume_replays_the_decision(tmp_path)
     assert "Training starts at step 3" in resumed.log and "autopilot: replayed 1 decisions" in resumed.log
     assert {s: resumed.losses[s] for s in (3, 4)} == {s: whole.losses[s] for s in (3, 4)}
     assert _decisions(resumed) == [STEP1]
+
+
+EXPERT = "layers.1.moe.routed_experts.inner_experts.w1"
+
+
+def test_an_expert_weight_is_promoted_as_a_linear_layer_is(tmp_path):
+    """The MoE preset with its layer-1 experts' w1 input in the overflowing e2m5: the autopilot promotes
+    that role of that expert weight alone and runs step 1 again, which must not count the dropped attempt's
+    routing in the load-balancing bias (``titan.plan.moe.zero_expert_counts``): the losses equal a run with
+    e4m3 there from the start, bit for bit."""
+    rule = {"layers": [EXPERT], "roles": ["forward.input"], "scaling": "none", "saturate": False}
+
+    def config(fmt, name, **pilot):
+        quantize = {"recipe": "bf16", "rules": [{**rule, "format": fmt}], "autopilot": pilot}
+        return write_toml(tmp_path / name, base=MOE_TOML, quantize=quantize)
+
+    steps = ("--training.steps", "3", "--checkpoint.no-enable")
+    ref = _run(tmp_path / "ref", *steps, config=config("e4m3", "ref.toml", enable=False))
+    pilot = config("e2m5", "pilot.toml", enable=True, ladder=["e2m5", "e4m3", "high"])
+    run = _run(tmp_path / "run", *steps, config=pilot)
+    assert run.losses == ref.losses and sorted(run.losses) == [1, 2, 3]  # bit for bit
+    assert _decisions(run) == [{**STEP1, "layer": EXPERT}]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

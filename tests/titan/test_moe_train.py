@@ -18,13 +18,21 @@ def _bf16(tmp_path):
     return write_toml(tmp_path / "bf16.toml", base=MOE_TOML, quantize={"recipe": "bf16", "rules": []})
 
 
-def test_mxfp8_experts_train_close_to_high_precision(tmp_path):
+def test_mxfp8_experts_train_close_to_high_precision_and_switch_plans_in_a_phase(tmp_path):
+    """A phase switches the experts to high precision from step 3: steps 1-2 are the MXFP8 run's, bit for
+    bit (the same module and plans), step 3 leaves it and lands near the high-precision run's."""
     mx = train(tmp_path / "mx", *STEPS, config=MOE_TOML)
     hp = train(tmp_path / "hp", *STEPS, config=_bf16(tmp_path))
     assert set(mx.losses) == set(hp.losses) == {1, 2, 3}
     for s in mx.losses:
         assert abs(mx.losses[s] - hp.losses[s]) < 0.01, (mx.losses, hp.losses)
     assert mx.losses != hp.losses  # the experts really were quantized
+    high = {"start": 2, "rules": [{"layers": ["*.inner_experts.*"], "format": "high"}]}
+    cfg = write_toml(tmp_path / "phase.toml", base=MOE_TOML, quantize={"phases": [high]})
+    phased = train(tmp_path / "phased", *STEPS, config=cfg)
+    assert {s: phased.losses[s] for s in (1, 2)} == {s: mx.losses[s] for s in (1, 2)}
+    assert phased.losses[3] != mx.losses[3] and abs(phased.losses[3] - hp.losses[3]) < 0.01
+    assert "Precision schedule: from step 3, quantize.phases[0]: steps 3-3" in phased.log
     plan = json.loads((mx.folder / "precision_plan.json").read_text())
     w1 = plan["layers.0.moe.routed_experts.inner_experts.w1"]
     assert w1["module"] == "QuantGroupedExperts" and w1["specs"]["wgrad.input"]["block_size"] == 32

@@ -126,12 +126,14 @@ class TitanQuantGroupedExperts(GroupedExperts):
         """Plan of each stacked weight: ``{"w1": ..., "w2": ..., "w3": ...}``."""
         fqn: str = ""
         """The experts module's FQN (keys each weight's stochastic-rounding stream)."""
+        pad: int = 1
+        """The row multiple the dispatcher pads each expert's tokens to (for the plans of every phase)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         for name in WEIGHTS:
             plan = config.plans.get(name, LinearPlan())
-            self.add_module(name, TitanExpertWeightState(plan, f"{config.fqn}.{name}"))
+            self.add_module(name, TitanExpertWeightState(plan, f"{config.fqn}.{name}", pad=config.pad))
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -239,32 +241,37 @@ def _torchao_config(cfg, recipe: TorchaoGroupedRecipe, name: str, plans: dict[st
     return cls.Config(**base, recipe_name=name, plans=plans)
 
 
-def _emulated_config(cfg, fqn: str, plans: dict[str, LinearPlan], parent):
-    multiple = math.lcm(*(pad_multiple(p) for p in plans.values()))
+def _emulated_config(cfg, fqn: str, plans: dict[str, LinearPlan], parent, every: list[LinearPlan]):
+    multiple = math.lcm(*(pad_multiple(p) for p in every))
     old = parent.token_dispatcher
     if multiple > 1:
         parent.token_dispatcher = PaddedTokenDispatcher.Config(
             num_experts=old.num_experts, top_k=old.top_k, pad_multiple=multiple
         )
     base = {f.name: getattr(cfg, f.name) for f in fields(GroupedExperts.Config)}
-    return TitanQuantGroupedExperts.Config(**base, plans=plans, fqn=fqn)
+    return TitanQuantGroupedExperts.Config(**base, plans=plans, fqn=fqn, pad=multiple)
 
 
-def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism):
+def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism, phases=()):
     """Swap every experts module the plan quantizes, in place (see the module docstring).
 
     Args:
         model_config: the model config tree.
-        plans: the resolved plan (``<experts fqn>.w1`` ... entries from ``expert_layers``; their backends
-            say which module runs them, ``config.backends.grouped_backends``).
+        plans: the resolved plan of step 1 (``<experts fqn>.w1`` ... entries from ``expert_layers``; their
+            backends say which module runs them, ``config.backends.grouped_backends``).
         parallelism: ``config.parallelism``.
+        phases: the plans of every phase and of evaluation (``Schedule.all``; default: ``plans`` alone). A
+            module some phase quantizes is built as ours, its dispatcher padding for every phase's blocks,
+            so the schedule and the autopilot can switch its plans mid-run.
 
     Raises:
         ConfigError: emulated quantized experts under expert or tensor parallelism.
     """
+    phases = list(phases) or [plans]
     for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         mine = {n: plans[f"{fqn}.{n}"] for n in WEIGHTS}
-        if all(p.is_high_precision for p in mine.values()):
+        every = [p[f"{fqn}.{n}"] for p in phases for n in WEIGHTS]
+        if all(p.is_high_precision for p in every):
             continue
         choice = _torchao_choice(mine)
         if choice is not None:
@@ -274,8 +281,19 @@ def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism):
             ours = {
                 n: dataclasses.replace(p, backends=("emulate",) * len(p.backends)) for n, p in mine.items()
             }
-            new = _emulated_config(cfg, fqn, ours, parent)
+            new = _emulated_config(cfg, fqn, ours, parent, every)
         setattr(parent, attr, new)
+
+
+def zero_expert_counts(model_parts) -> None:
+    """Zero the tokens-per-expert counts the MoE layers add up in their forwards (the load-balancing bias
+    update reads them at the optimizer step, which zeroes them): a step run again (the autopilot's
+    ``RedoStep``) must not count the dropped attempt's routing."""
+    for part in model_parts:
+        for mod in part.modules():
+            counts = getattr(mod, "tokens_per_expert_E", None)
+            if isinstance(counts, torch.Tensor):
+                counts.zero_()
 
 
 def _check_parallelism(fqn: str, parallelism) -> None:
@@ -288,14 +306,15 @@ def _check_parallelism(fqn: str, parallelism) -> None:
             )
 
 
-def _convert(config, plans: dict[str, LinearPlan]) -> None:
+def _convert(config, run) -> None:
     """``convert_experts``, and one log line where the recipe's options were left out for the experts."""
     from torchtitan.tools.logging import logger
 
     from low_bits_training.config.operand_options import grouped_specs
     from low_bits_training.config.recipes import recipe_specs
 
-    convert_experts(config.model_spec.model, plans, config.parallelism)
+    phases = [p.plans for p in run.schedule.all()]
+    convert_experts(config.model_spec.model, run.plans, config.parallelism, phases)
     specs = recipe_specs(config.quantize.recipe)
     if specs != grouped_specs(specs) and expert_plans(config.model_spec.model):
         logger.info(
@@ -307,11 +326,11 @@ def _convert(config, plans: dict[str, LinearPlan]) -> None:
 KIND = TargetKind(
     name="experts",
     what="an MoE expert weight",
-    switchable=False,
+    switchable=True,
     entries=lambda config: expert_layers(
         config.model_spec.model, max(1, config.parallelism.tensor_parallel_degree)
     ),
-    convert=lambda config, run: _convert(config, run.plans),
+    convert=_convert,
     label=lambda plans, fqn: grouped_module_label(plans[fqn]),
     current=expert_plans,
 )

@@ -3,7 +3,8 @@
 The resolved ``config.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
-  change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: the linear layers)
+  change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: linear layers and
+  MoE expert weights)
   gets its plan for the new phase (the same ``LinearPlan`` objects each time).
   A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
   QuantLinear (``titan.plan.quantize``), so parameters and state_dict keys never change.
@@ -81,7 +82,9 @@ class PrecisionSchedule:
         before = dict(self.overrides.get(fqn, {}))
         self.overrides.setdefault(fqn, {})[role] = spec
         try:
-            layer.plan = self.plan_of(fqn, self._base(fqn))
+            plan = self.plan_of(fqn, self._base(fqn))
+            layer.check_plan(plan)  # what the target, as built, cannot run (an expert's padding)
+            layer.plan = plan
         except ValueError:
             self.overrides[fqn] = before
             raise

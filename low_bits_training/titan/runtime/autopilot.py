@@ -3,7 +3,7 @@
 Two ways in (``config/autopilot.py`` has the section and the ladder):
 
 - ``on_nonfinite``: the numerics monitor named the first NaN / Inf of a microbatch (the same on every
-  rank). When it is a GEMM's product of a quantized linear layer, the quantized operands of that GEMM that
+  rank). When it is a GEMM's product of a quantized linear layer or expert weight, the quantized operands of that GEMM that
   can overflow (those without saturation; else all of them) go one rung up, and ``RedoStep`` is raised: the
   trainer runs the step again from its start with the same batches (no gradient was applied; every random
   stream derives from the step), so the run goes on as if the promoted plan had been there from this step.
@@ -145,8 +145,8 @@ class Autopilot:
             self.snapshots = Snapshots(cfg.snapshot_every, checkpoint_every, int(cfg.snapshot_gib * 2**30))
         watched = sum(not layer.plan.is_high_precision for layer in self.layers.values())
         logger.info(
-            f"autopilot: ladder {' -> '.join(cfg.ladder)}; watches {watched} quantized linear layers "
-            f"(of {len(self.layers)} that can switch plans)"
+            f"autopilot: ladder {' -> '.join(cfg.ladder)}; watches {watched} quantized targets "
+            f"(of {len(self.layers)} that can switch plans: linear layers, MoE expert weights)"
         )
 
     def stats_step(self, step: int) -> bool:
@@ -216,8 +216,11 @@ class Autopilot:
             self._new_demotions += 1
 
     def _next(self, layer: str, role: str):
-        """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``config.autopilot.promote``)."""
-        return promote(self.layers[layer].plan.spec(role), role, self.cfg.ladder)
+        """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``config.autopilot.promote``),
+        the spec as the target takes it (``QuantState.fit_spec``: an expert weight drops RHT / delayed)."""
+        target = self.layers[layer]
+        got = promote(target.plan.spec(role), role, self.cfg.ladder)
+        return None if got is None else (target.fit_spec(got[0]), got[1])
 
     @property
     def promotions(self) -> int:

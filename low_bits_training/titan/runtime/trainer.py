@@ -17,6 +17,7 @@ from low_bits_training.nn import rng as layer_rng
 from low_bits_training.nn import saved as nn_saved
 from low_bits_training.titan.plan.comm import log_comm_bytes
 from low_bits_training.titan.plan.delayed import install as install_amax_group
+from low_bits_training.titan.plan.moe import zero_expert_counts
 from low_bits_training.titan.plan.saved import log_saved_bytes
 from low_bits_training.titan.plan.schedule import install as install_schedule
 from low_bits_training.titan.plan.targets import live, run_of
@@ -126,6 +127,7 @@ class LowBitsTrainer(Trainer):
             except RedoStep:  # [quantize.autopilot] promoted a role: the step again, same batches
                 batches.rewind()
                 nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
+                zero_expert_counts(self.model_parts)  # nor what it routed (MoE load balancing)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
         per_token = log_saved_bytes(
             self
