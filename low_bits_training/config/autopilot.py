@@ -50,7 +50,8 @@ class AutopilotConfig(Section):
     SECTION: ClassVar[str] = "quantize.autopilot"
 
     enable: bool = False
-    """Watch the quantized linear layers' roles and promote the ones that fail (off by default)."""
+    """Watch the quantized linear layers' and expert weights' roles and promote the ones that fail (off by
+    default)."""
     ladder: list[str] = field(default_factory=lambda: [HIGH])
     """Rungs from low to high: recipe names (``nvfp4``, ``mxfp8``), element formats (``e2m1``, ``e4m3``,
     ``bf16``), ``high``. The default sends a failing role straight to high precision."""

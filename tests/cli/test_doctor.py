@@ -440,8 +440,10 @@ def test_autopilot_row_names_its_ladder_triggers_and_the_layers_it_watches(clean
     assert rows["autopilot"].detail == (
         "ladder nvfp4 -> mxfp8 -> high; triggers: nonfinite, saturation > 0.01, underflow > 0.5, "
         "loss / grad-norm spike > 6 sd (host snapshots every 10 steps, then promote); "
-        "watches 30 quantized linear layers"
+        "watches 30 quantized targets (30 linear)"
     )  # the debug model: 6 blocks x 5 linears (wqkv, wo, w1, w2, w3); lm_head skipped
     bf16 = by_name(doctor.run_checks(str(DEBUG), on, {"NGPU": "1"}))
-    assert bf16["autopilot"].status == "WARN" and "no quantized layer of ours" in bf16["autopilot"].detail
+    assert bf16["autopilot"].status == "WARN" and "no quantized target of ours" in bf16["autopilot"].detail
     assert "autopilot" not in by_name(doctor.run_checks(str(DEBUG), [], {"NGPU": "1"}))  # off: no row
+    moe = by_name(doctor.run_checks(str(DEBUG.parent / "debug_moe.toml"), on, {"NGPU": "1"}))
+    assert moe["autopilot"].detail.endswith("watches 12 quantized targets (12 experts)")  # 4 layers x w1-w3
