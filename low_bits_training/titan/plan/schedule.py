@@ -10,6 +10,8 @@ The resolved ``config.schedule.Schedule`` is turned into behaviour here:
   QuantLinear (``titan.plan.quantize``), so parameters and state_dict keys never change.
 - ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when
   given) with the probes off, then the training plan comes back.
+- ``round_as_eager``: compiled, inductor rounds low-precision intermediates where eager does (so activation
+  checkpointing cannot change the forward's numbers).
 - ``raise_recompile_limit``: the plan is a graph constant, so each distinct transformer-block plan compiles
   its own graph (once; switching back reuses it). The dynamo limit per code object is raised to what the
   schedule needs, so a long schedule never falls off the compiled path.
@@ -188,4 +190,29 @@ def install(trainer, run) -> PrecisionSchedule:
         promotions = pilot.max_promotions if pilot.enable else 0
         stats = bool(config.numerics.stats_freq) or (pilot.enable and pilot.reads_stats)
         raise_recompile_limit(sched.schedule, stats, promotions)
+        round_as_eager(sched.schedule)
     return sched
+
+
+def round_as_eager(schedule: Schedule) -> bool:
+    """Make inductor round every low-precision intermediate where eager does
+    (``torch._inductor.config.emulate_precision_casts``, process-wide) when some target of the run is
+    emulated in some phase; returns whether it did.
+
+    Without it a bf16 value inside a fused kernel stays fp32, and where a graph materializes it depends on
+    what the graph saves for the backward (inductor rounds a saved low-precision value,
+    ``emulate_precision_casts_on_saved_tensors``): activation checkpointing, which recomputes instead of
+    saving, then changed the forward's numbers (fp8_delayed, selective AC vs none, compiled through the
+    launcher: 8.20734 vs 8.20692 at step 1; with it both give 8.207263). torchtitan's Float8 rowwise
+    converter sets the same switch.
+    """
+    emulated = any(
+        not p.plans[f].is_high_precision and "emulate" in p.plans[f].backends
+        for p in schedule.all()
+        for f in schedule.quantized()
+    )
+    if emulated:
+        import torch._inductor.config as inductor
+
+        inductor.emulate_precision_casts = True
+    return emulated
