@@ -4,6 +4,8 @@
     python benchmarks/bench_gpu.py --tokens 8192 --recipes fp8_rowwise,mxfp8 --modes compiled
     python benchmarks/bench_gpu.py --train                          # + a few training steps of Llama 3.2 1B
 
+First the checks of benchmarks/gpu_checks.py (``--no-checks`` skips them; a failed one makes the exit code 1).
+
 One line and exit code 2 on a machine without CUDA. torchao or torchtitan missing (e.g. a plain torch 2.11 box):
 the torchao rows say "unavailable" and the bf16 / emulation rows still run; ``--train`` needs the full stack.
 The "auto" column is what ``[quantize] backend = "auto"`` runs on this GPU (``config.backends.gemm_backend``).
@@ -180,10 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", action="store_true", help="also train Llama 3.2 1B a few steps per recipe")
     p.add_argument("--train-steps", type=int, default=12)
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--no-checks", action="store_true", help="skip benchmarks/gpu_checks.py (run first)")
     args = p.parse_args(argv)
     refuse_without_cuda()
     args.recipes, args.modes = args.recipes.split(","), args.modes.split(",")
     sys.path.insert(0, str(REPO))
+    checks = 0
+    if not args.no_checks:  # issue 29's checks first: a timing on a GPU that fails them means little
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        import gpu_checks
+
+        checks = gpu_checks.main()
+        print()
     name, cap = torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)
     print(
         f"{name} (SM{cap[0]}{cap[1]}), torch {torch.__version__}, {args.tokens} tokens, bf16, median of {args.iters}"
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [
         r for r in results["linears"] if any(str(r.get(m, "")).startswith("failed") for m in args.modes)
     ]
-    return 1 if failed else 0
+    return 1 if failed or checks else 0
 
 
 def _version(pkg: str) -> str:
