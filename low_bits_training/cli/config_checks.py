@@ -222,9 +222,7 @@ def check_autopilot(config: Any, hw: Hardware) -> list[Check]:
     if not ours:
         fix = 'quantize some layer with backend = "emulate" or "auto" (not torchao), or turn it off'
         return [Check("autopilot", "WARN", f"{detail}; no quantized target of ours to promote", fix)]
-    kinds: dict[str, int] = {}
-    for fqn in ours:
-        kinds[run.kinds[fqn].name] = kinds.get(run.kinds[fqn].name, 0) + 1
+    kinds = Counter(run.kinds[fqn].name for fqn in ours)
     each = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
     return [Check("autopilot", "OK", f"{detail}; watches {len(ours)} quantized targets ({each})")]
 

@@ -4,8 +4,7 @@ The resolved ``config.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
   change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: linear layers and
-  MoE expert weights)
-  gets its plan for the new phase (the same ``LinearPlan`` objects each time).
+  MoE expert weights) gets its plan for the new phase (the same ``LinearPlan`` objects each time).
   A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
   QuantLinear (``titan.plan.quantize``), so parameters and state_dict keys never change.
 - ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when
@@ -206,10 +205,11 @@ def round_as_eager(schedule: Schedule) -> bool:
     launcher: 8.20734 vs 8.20692 at step 1; with it both give 8.207263). torchtitan's Float8 rowwise
     converter sets the same switch.
     """
+    quantized = schedule.quantized()
     emulated = any(
         not p.plans[f].is_high_precision and "emulate" in p.plans[f].backends
         for p in schedule.all()
-        for f in schedule.quantized()
+        for f in quantized
     )
     if emulated:
         import torch._inductor.config as inductor
