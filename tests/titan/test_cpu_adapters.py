@@ -1,4 +1,4 @@
-"""The three CPU adapters: each still needed upstream (the test fails when upstream fixes the problem, so the
+"""The four CPU adapters: each still needed upstream (the test fails when upstream fixes the problem, so the
 adapter can go) and each working."""
 
 import subprocess
@@ -97,6 +97,31 @@ def test_attention_configs_are_swapped_in_the_model_tree():
     kinds = {type(c).__qualname__ for _, c, _, _ in spec.model.traverse(FlexAttention.Config)}
     assert kinds == {"_dense_attention_class.<locals>.DenseMaskAttention.Config"}
     assert cpu.use_dense_mask_attention(spec.model) == 0  # idempotent
+
+
+def test_upstream_still_compiles_the_mask_and_the_eager_mask_is_the_same():
+    # Adapter 4: torchtitan's decoder calls a torch.compile'd create_block_mask each step; the adapter makes it the
+    # eager one. When the first assert fails (upstream stopped compiling it), the adapter can go.
+    import torchtitan.models.common.attention as attention
+    from torch.nn.attention.flex_attention import and_masks
+
+    code = (
+        "import torchtitan.models.common.attention as a, torchtitan.models.common.decoder as d\n"
+        "print(d.create_attention_mask is a.create_attention_mask, 'torch.compile' in a.create_attention_mask.__doc__"
+        " or 'compiled' in a.create_attention_mask.__doc__)"
+    )
+    assert _py(code) == "True True"
+    positions = torch.cat([torch.arange(40), torch.arange(88)]).expand(2, 128)  # two documents per row
+    mod = and_masks(attention.get_causal_mask_mod(), attention.get_document_mask_mod(positions))
+    upstream = attention.create_attention_mask(mod, 2, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    cpu.build_masks_eagerly()
+    import torchtitan.models.common.decoder as decoder
+
+    assert decoder.create_attention_mask is create_block_mask
+    ours = decoder.create_attention_mask(mod, 2, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(ours, name), getattr(upstream, name)), name
+    assert ours.mask_mod is mod and ours.shape == upstream.shape
 
 
 @pytest.fixture

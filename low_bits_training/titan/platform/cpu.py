@@ -1,4 +1,4 @@
-"""The three adapters torchtitan 0.3.0 needs on a machine without an accelerator.
+"""The four adapters torchtitan 0.3.0 needs on a machine without an accelerator.
 
 Applied only when no accelerator is present (see ``needs_cpu_adapters``); each one names the upstream line it
 answers, and ``tests/titan/test_cpu_adapters.py`` fails when upstream stops needing it.
@@ -15,6 +15,11 @@ answers, and ``tests/titan/test_cpu_adapters.py`` fails when upstream stops need
    which makes FSDP2 reduce with ``ReduceOp.PREMUL_SUM``; gloo refuses it. ``with_sum_reductions`` wraps the
    model's ``parallelize_fn`` and sets ``set_force_sum_reduction_for_comms(True)`` on each FSDP module (the
    factor is 1.0, so the numbers do not change).
+4. torchtitan builds each step's BlockMask with ``torch.compile(create_block_mask)`` (models/common/attention.py
+   ``create_attention_mask``, imported by name into models/common/decoder.py). Adapter 2 reads only the
+   mask's ``mask_mod``, yet the compile cost every CPU run 3-5 s of its first step (measured on this
+   2-core machine, seq 128; the eager call takes about 1 ms). ``build_masks_eagerly`` points the decoder's name
+   at the uncompiled ``create_block_mask``: the same BlockMask, block for block.
 """
 
 from __future__ import annotations
@@ -216,11 +221,20 @@ def with_sum_reductions(parallelize_fn):
     return wrapped
 
 
+def build_masks_eagerly() -> None:
+    """Make torchtitan's decoder build its BlockMask without ``torch.compile`` (adapter 4, process-wide)."""
+    import torchtitan.models.common.decoder as decoder
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    decoder.create_attention_mask = create_block_mask  # upstream: a torch.compile'd create_block_mask
+
+
 def adapt_trainer_config(config) -> None:
-    """Apply adapters 2 and 3 to a ``Trainer.Config`` in place (adapter 1 is process-wide)."""
+    """Apply adapters 2 and 3 to a ``Trainer.Config`` in place, and adapter 4 (adapter 1 is process-wide)."""
     spec = config.model_spec
     if spec is None:
         return
     use_dense_mask_attention(spec.model)
+    build_masks_eagerly()
     if not getattr(spec.parallelize_fn, "__lbt_sum_reductions__", False):
         spec.parallelize_fn = with_sum_reductions(spec.parallelize_fn)
