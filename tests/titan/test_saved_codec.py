@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -57,3 +59,65 @@ def test_stored_bytes():
     bf16 = codec_of(SavedFormat(None, "bf16", 0, 0))
     assert bf16.nbytes(bf16.encode(x)) == 2 * n and bf16.fits(x) and not bf16.fits(x.bfloat16())
     assert codec_of(SavedFormat(None, None, 0, 0)) is None
+
+
+def test_what_selective_checkpointing_keeps_is_packed_and_read_back_decoded():
+    """A block under torchtitan's kind of SAC wrapper (torch's CheckpointWrapper, a policy that keeps every
+    matmul output): ``pack_selective_saves`` routes the kept outputs through the save hooks, so the backward's
+    recompute starts from their decoded values, and the bytes are counted. Without it SAC's cache holds them
+    as made and the hooks see only the block's input."""
+    import torch.nn.functional as F
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from low_bits_training.formats import fake_quantize
+    from low_bits_training.nn import saved as nn_saved
+    from low_bits_training.titan.plan.saved import pack_selective_saves
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(64, 128, bias=False)
+            self.w2 = torch.nn.Linear(128, 64, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return (
+            CheckpointPolicy.MUST_SAVE
+            if op == torch.ops.aten.mm.default
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
+    spec = QuantSpec("e4m3", "tensor")
+    torch.manual_seed(0)
+    x = torch.randn(32, 64) * 3
+    grads = {}
+    for packed in (False, True):
+        torch.manual_seed(1)
+        inner = MLP()
+        block = checkpoint_wrapper(inner, context_fn=lambda: create_selective_checkpoint_contexts(keep_mm))
+        nn_saved.install(block, "block", nn_saved.SaveFormat(ReferenceCodec(spec), min_numel=0))
+        if packed:
+            assert pack_selective_saves(block) == 1
+        else:  # torch's legacy behaviour, without its FutureWarning
+            block.checkpoint_fn = functools.partial(block.checkpoint_fn, respect_saved_tensors_hooks=False)
+        nn_saved.take_bytes()
+        block(x).square().sum().backward()
+        counts = nn_saved.take_bytes().get("block", (0, 0, 0))
+        grads[packed] = [p.grad for p in inner.parameters()]
+        # the block's input (the checkpoint keeps it through the hooks either way) and the three matmul outputs
+        assert counts[0] == 32 * 64 + (32 * (2 * 128 + 64) if packed else 0)
+    w1, w3, w2 = (p.detach() for p in inner.parameters())
+    q = lambda t: fake_quantize(t, spec)  # noqa: E731
+    a, b = q(x @ w1.T), q(x @ w3.T)  # the recompute starts from the decoded matmul outputs
+    s = F.silu(a)
+    g = 2 * ((F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T)  # the forward itself ran on the values as made
+    gm = g @ w2
+    sig = torch.sigmoid(a)
+    ga, gb = gm * b * (sig * (1 + a * (1 - sig))), gm * s
+    qx = q(x)  # the recompute runs from the decoded input
+    for got, want in zip(grads[True], [ga.T @ qx, gb.T @ qx, g.T @ (s * b)], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(grads[True], grads[False], strict=True))

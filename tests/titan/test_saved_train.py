@@ -58,6 +58,19 @@ def test_fp8_saves_compiled_and_on_two_ranks(tmp_path, nproc):
     assert 0.45 < max(_ratio(low)) < 1 / 1.8  # bf16 saves to e4m3: about half (softmax statistics kept)
 
 
+def test_fp8_saves_under_selective_checkpointing(tmp_path):
+    """Eager, torchtitan's per-op selective AC: the matmul outputs its policy keeps are packed as well (they
+    used to sit in SAC's own cache as made: 1,568 stored bytes per token, the blocks' inputs only, against
+    12,392 with them, measured at 2 steps), the losses stay within 0.01 nats of the same run without rules."""
+    args = ("--training.steps", "3", "--checkpoint.no-enable", "--activation_checkpoint", "selective")
+    high = _run(tmp_path / "high", *args)
+    low = _run(tmp_path / "low", *args, config=_config(tmp_path))
+    assert sorted(low.losses) == [1, 2, 3] and low.losses != high.losses
+    assert all(abs(low.losses[s] - high.losses[s]) < 0.01 for s in low.losses)
+    assert max(_ratio(low)) < 1 / 1.8
+    assert min(r["saved/bytes_per_token"] for r in low.rows if "saved/bytes_per_token" in r) > 10_000
+
+
 @pytest.mark.parametrize(
     ("saved", "args", "message"),
     [

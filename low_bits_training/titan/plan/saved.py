@@ -132,7 +132,37 @@ def install(model, formats: dict[str, SavedFormat], keep_tails: tuple = ()) -> i
         nn_saved.install(
             module, clean_fqn(name), nn_saved.SaveFormat(codec_of(fmt), fmt.min_numel, keep_tails)
         )
+        pack_selective_saves(module)
         n += 1
+    return n
+
+
+def pack_selective_saves(module: torch.nn.Module) -> int:
+    """Make every activation-checkpoint wrapper at or under ``module`` pass what selective AC keeps through the
+    saved-tensor hooks around it (``torch.utils.checkpoint``'s ``respect_saved_tensors_hooks=True``, torch >=
+    2.14); returns how many wrappers it changed.
+
+    Without it the matmul outputs that torchtitan's per-op SAC policy keeps (eager) sit in SAC's own cache, past
+    the hooks, in the precision they were made. Compiled, the block graph saves through the hooks either way.
+    A wrapper is torch's ``CheckpointWrapper`` as torchtitan builds it: ``checkpoint_fn`` a partial of
+    ``torch.utils.checkpoint.checkpoint`` with ``use_reentrant=False``.
+    """
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+
+    if "respect_saved_tensors_hooks" not in inspect.signature(checkpoint).parameters:
+        return 0
+    n = 0
+    for m in module.modules():
+        fn = getattr(m, "checkpoint_fn", None)
+        if (
+            isinstance(fn, functools.partial)
+            and fn.func is checkpoint
+            and fn.keywords.get("use_reentrant") is False
+        ):
+            m.checkpoint_fn = functools.partial(fn, respect_saved_tensors_hooks=True)
+            n += 1
     return n
 
 
