@@ -12,10 +12,14 @@ input that both w1 and w3 save) is packed once (also when two modules save it: t
 The hooks wrap the module's ``__call__`` (its class is swapped for a subclass, so FQNs, state dicts and
 FSDP2 are untouched), outside any ``torch.compile`` of the module: with a compiled transformer block the
 hooks see the values the compiled graph saves. Under activation checkpointing the checkpoint's own hooks
-are the inner ones: a checkpointed region saves nothing through ours (it recomputes instead).
+are the inner ones: a checkpointed region keeps its input through ours and recomputes the rest (what
+selective AC keeps passes through ours too once its checkpoint respects outer hooks:
+``titan.plan.saved.pack_selective_saves``).
 
-``BYTES`` counts, per module, what was packed since the last ``take_bytes``: elements, bytes as the forward
-made them, bytes stored.
+``BYTES`` counts, per module, what was saved since the last ``take_bytes``: elements, bytes as the forward
+made them (a storage once, however many views of it are saved), bytes stored (a tensor kept as made: its
+storage, once). ``METER`` (set for one step by ``titan.plan.saved``) measures each
+module's call with the allocator (``optim.memory.HeldBytes``: ``span`` and ``output``).
 """
 
 from __future__ import annotations
@@ -78,12 +82,33 @@ class SaveFormat:
 BYTES: dict[str, list[int]] = {}
 """module FQN -> [elements, bytes as made, bytes stored] of the saves packed since ``take_bytes``."""
 
+METER = None
+"""While set: an object with ``span(fqn)`` (a context manager around each hooked module's call) and
+``output(fqn, out)`` (what the call returned), as ``optim.memory.HeldBytes`` has."""
+
+_STORAGES: dict[int, weakref.ref] = {}
+"""storage address -> a saved tensor of that storage since ``take_bytes`` (a view's base: it lives while any
+view of it does): while it lives the address is that storage (counted once); once it is gone the address may be
+another's (counted again)."""
+
 
 def take_bytes() -> dict[str, list[int]]:
     """The counts since the last call (and reset them)."""
     out = {k: list(v) for k, v in BYTES.items() if v[0]}
     BYTES.clear()
+    _STORAGES.clear()
     return out
+
+
+def _made_bytes(t: torch.Tensor) -> int:
+    """The bytes a save adds as the forward made it: its storage's, the first time the storage is seen (the
+    views autograd saves of one tensor hold one storage)."""
+    storage = t.untyped_storage()
+    seen = _STORAGES.get(storage.data_ptr())
+    if seen is not None and seen() is not None:
+        return 0
+    _STORAGES[storage.data_ptr()] = weakref.ref(t if t._base is None else t._base)  # alive while a view is
+    return storage.nbytes()
 
 
 class _Packed:
@@ -182,8 +207,9 @@ class SavedHooks:
         # the same tensor saved again, here or by another module (a mask every block gets): packed once
         if hit is not None and hit[0]() is t and hit[1]() is not None:
             return hit[1]()
+        made = _made_bytes(t)
         if self._keep(t):
-            packed, stored = t, t.numel() * t.element_size()
+            packed, stored = t, made
         else:
             with torch.no_grad():
                 codec = self.fmt.codec
@@ -191,7 +217,7 @@ class SavedHooks:
                 stored = codec.nbytes(packed.value)
         count = BYTES.setdefault(self.fqn, [0, 0, 0])
         count[0] += t.numel()
-        count[1] += t.numel() * t.element_size()
+        count[1] += made
         count[2] += stored
         _remember(t, packed)
         return packed
@@ -214,8 +240,14 @@ def _saving_class(cls: type) -> type:
     if cls not in _CLASSES:
 
         def __call__(self, *args, **kwargs):
-            with self.lbt_saved.scope():
-                return super(sub, self).__call__(*args, **kwargs)
+            meter, fqn = METER, self.lbt_saved.fqn
+            if meter is None:
+                with self.lbt_saved.scope():
+                    return super(sub, self).__call__(*args, **kwargs)
+            with meter.span(fqn), self.lbt_saved.scope():
+                out = super(sub, self).__call__(*args, **kwargs)
+            meter.output(fqn, out)
+            return out
 
         sub = type(f"Saved{cls.__name__}", (cls,), {"__call__": __call__, "lbt_saving": True})
         _CLASSES[cls] = sub

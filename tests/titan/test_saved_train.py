@@ -5,6 +5,7 @@ made, eager, compiled and on 2 FSDP2 ranks, and a resumed run equals the uninter
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -28,6 +29,16 @@ def _ratio(run) -> list[float]:
     return [r["saved/ratio"] for r in run.rows if "saved/ratio" in r]
 
 
+def _allocator_agrees(run) -> dict:
+    """The run's byte report (state_bytes.json): the hooks' stored bytes per token within 5% of what the
+    allocator held for the same saves on step 2, in total and for each block."""
+    saved = json.loads((run.folder / "state_bytes.json").read_text())["saved_bytes_per_token"]
+    assert set(saved["modules"]) == {f"layers.{i}" for i in range(6)}
+    for got in [saved, *saved["modules"].values()]:
+        assert abs(got["allocator"] - got["stored"]) <= 0.05 * got["stored"], got
+    return saved
+
+
 def test_fp8_saves_halve_the_bytes_and_a_resume_is_exact(tmp_path):
     cfg = _config(tmp_path)
     steps = ("--training.steps", "6")
@@ -38,6 +49,8 @@ def test_fp8_saves_halve_the_bytes_and_a_resume_is_exact(tmp_path):
     assert whole.losses != high.losses  # the saves were rounded
     ratios = _ratio(whole)
     assert len(ratios) == 6 and max(ratios) < 1 / 1.8  # e4m3 for bf16 saves and fp32 norm inputs
+    saved = _allocator_agrees(whole)
+    assert saved["allocator"] * 1.8 < saved["as_made"]  # the allocator holds less than half of the bf16 saves
     step4 = tmp_path / "resumed" / "run" / "checkpoint" / "step-4"
     shutil.copytree(whole.folder / "checkpoint" / "step-4", step4)
     resumed = _run(tmp_path / "resumed", *steps, "--checkpoint.interval", "2", config=cfg)
@@ -56,6 +69,7 @@ def test_fp8_saves_compiled_and_on_two_ranks(tmp_path, nproc):
     assert all(abs(low.losses[s] - high.losses[s]) < 0.01 for s in low.losses)
     assert low.losses != high.losses
     assert 0.45 < max(_ratio(low)) < 1 / 1.8  # bf16 saves to e4m3: about half (softmax statistics kept)
+    _allocator_agrees(low)
 
 
 def test_fp8_saves_under_selective_checkpointing(tmp_path):
@@ -69,6 +83,7 @@ def test_fp8_saves_under_selective_checkpointing(tmp_path):
     assert all(abs(low.losses[s] - high.losses[s]) < 0.01 for s in low.losses)
     assert max(_ratio(low)) < 1 / 1.8
     assert min(r["saved/bytes_per_token"] for r in low.rows if "saved/bytes_per_token" in r) > 10_000
+    _allocator_agrees(low)
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,13 @@ The formats are resolved with the run (``resolve``, called by ``titan.plan.targe
 FQNs from the model's config tree, the block-size check against its linears' widths and the attention head
 dim); ``KIND.convert`` wraps the model spec's ``parallelize_fn`` so that, once torchtitan has applied
 activation checkpointing, torch.compile and FSDP2, the chosen modules get their saved-tensor hooks
-(``nn.saved``). ``log_saved_bytes`` writes what the hooks stored into the metrics on logging steps.
+(``nn.saved``). ``log_saved_bytes`` writes what the hooks stored into the metrics on logging steps, and once
+what the allocator holds for the same saves (``allocator_meter``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -20,6 +22,7 @@ from low_bits_training.formats import QuantSpec, group_scales, grouped_shape
 from low_bits_training.nn import saved as nn_saved
 from low_bits_training.nn.state import clean_fqn
 from low_bits_training.optim.codec import StateCodec, read_scales, store_scales
+from low_bits_training.optim.memory import HeldBytes
 from low_bits_training.titan.plan.target import TargetKind
 
 
@@ -201,9 +204,34 @@ def format_saved(formats: dict[str, SavedFormat]) -> str:
     )
 
 
-def log_saved_bytes(trainer) -> dict[str, float] | None:
-    """This step's saved bytes per token on this rank (stored, and as the forward made them; None without
-    ``[[quantize.saved]]``), written into the metrics on logging steps."""
+@contextlib.contextmanager
+def allocator_meter(trainer):
+    """Around one attempt at a step: on the step the allocator measures (the second this process runs, or its
+    first when the run ends there) each hooked module's call is a span of ``optim.memory.HeldBytes``
+    (``nn.saved.METER``); the spans' figures go to ``log_saved_bytes``. Nothing on other steps or without
+    ``[[quantize.saved]]``. On the CPU the step runs under the profiler's memory events (slower, once)."""
+    first = trainer.__dict__.setdefault("_lbt_saved_first", trainer.step)
+    measured = trainer.step == first + 1 or trainer.step == first == trainer.config.training.steps
+    trainer._lbt_saved_meter = None
+    if not measured or not any(hasattr(m, "lbt_saved") for p in trainer.model_parts for m in p.modules()):
+        yield
+        return
+    device = next(p.device for part in trainer.model_parts for p in part.parameters())
+    meter = HeldBytes(device, exclude=("FSDP::",))
+    nn_saved.METER = meter
+    try:
+        with meter.recording():
+            yield
+    finally:
+        nn_saved.METER = None
+    trainer._lbt_saved_meter = meter
+
+
+def log_saved_bytes(trainer) -> dict | None:
+    """This step's saved bytes per token on this rank (None without ``[[quantize.saved]]``): ``stored`` and
+    ``as_made`` by the hooks, and on the step ``allocator_meter`` measured, ``allocator`` (what the hooked
+    modules' calls left allocated, less their outputs) and ``modules`` (each module's three figures).
+    Written into the metrics on logging steps (``saved/allocator_bytes_per_token`` on the measured step)."""
     got = nn_saved.take_bytes()
     if not got:
         return None
@@ -212,13 +240,22 @@ def log_saved_bytes(trainer) -> dict[str, float] | None:
     cfg = trainer.config.training
     tokens = cfg.local_batch_size * cfg.seq_len * getattr(trainer, "gradient_accumulation_steps", 1)
     per_token = {"stored": kept / tokens, "as_made": made / tokens}
-    if trainer.metrics_processor.should_log(trainer.step):
-        metrics = {
-            "saved/bytes": kept,
-            "saved/bytes_hp": made,
-            "saved/ratio": kept / made if made else 1.0,
-            "saved/bytes_per_token": per_token["stored"],
+    metrics = {
+        "saved/bytes": kept,
+        "saved/bytes_hp": made,
+        "saved/ratio": kept / made if made else 1.0,
+        "saved/bytes_per_token": per_token["stored"],
+    }
+    meter = getattr(trainer, "_lbt_saved_meter", None)
+    if meter is not None:
+        held = meter.held()
+        per_token["allocator"] = sum(held.values()) / tokens
+        per_token["modules"] = {
+            m: {"stored": v[2] / tokens, "as_made": v[1] / tokens, "allocator": held.get(m, 0) / tokens}
+            for m, v in got.items()
         }
+        metrics["saved/allocator_bytes_per_token"] = per_token["allocator"]
+    if trainer.metrics_processor.should_log(trainer.step) or meter is not None:
         trainer.metrics_processor.logger.log(metrics, trainer.step)
     return per_token
 

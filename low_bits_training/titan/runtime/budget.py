@@ -91,7 +91,7 @@ def measured(model_parts: list[torch.nn.Module], optimizers) -> StateBytes:
     return out
 
 
-def budget_json(plan: StateBytes, live: StateBytes | None, per_token: Mapping[str, float] | None) -> dict:
+def budget_json(plan: StateBytes, live: StateBytes | None, per_token: Mapping | None) -> dict:
     """What ``state_bytes.json`` holds: each side's bytes, bytes per parameter and formats."""
 
     def side(b: StateBytes) -> dict:
@@ -106,14 +106,14 @@ def budget_json(plan: StateBytes, live: StateBytes | None, per_token: Mapping[st
     }
 
 
-def report(trainer, per_token: Mapping[str, float] | None = None) -> None:
+def report(trainer, per_token: Mapping | None = None) -> None:
     """Once per process, after its first optimizer step: the computed and measured budgets as a logged
     table and ``state_bytes.json`` (rank 0), and metrics (the metrics rank); every rank measures.
 
     Args:
         trainer: the ``LowBitsTrainer`` (its config, model parts, optimizers, metrics).
-        per_token: saved-activation bytes per token (issue 27 item 1), written beside the state bytes when
-            given; None until that exists.
+        per_token: ``[[quantize.saved]]`` bytes per token (``titan.plan.saved.log_saved_bytes``: by the hooks,
+            by the allocator, per module), written beside the state bytes and logged; None without rules.
     """
     if getattr(trainer, "_lbt_budget_done", False):
         return
@@ -133,6 +133,12 @@ def report(trainer, per_token: Mapping[str, float] | None = None) -> None:
     if rank() != 0:
         return
     logger.info("Training state, bytes per parameter (all ranks):\n" + format_budget(plan or live, live))
+    if per_token and "allocator" in per_token:
+        logger.info(
+            f"Saved for the backward ([[quantize.saved]], rank 0, step {trainer.step}): "
+            f"{per_token['stored']:,.0f} B/token stored by the hooks, {per_token['allocator']:,.0f} held by the "
+            f"allocator, {per_token['as_made']:,.0f} as made"
+        )
     path = os.path.join(trainer.config.dump_folder, STATE_BYTES_JSON)
     os.makedirs(trainer.config.dump_folder, exist_ok=True)
     write_atomic(path, json.dumps(budget_json(plan or live, live, per_token), indent=1) + "\n")

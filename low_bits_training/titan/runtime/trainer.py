@@ -18,7 +18,7 @@ from low_bits_training.nn import saved as nn_saved
 from low_bits_training.titan.plan.comm import log_comm_bytes
 from low_bits_training.titan.plan.delayed import install as install_amax_group
 from low_bits_training.titan.plan.moe import zero_expert_counts
-from low_bits_training.titan.plan.saved import log_saved_bytes
+from low_bits_training.titan.plan.saved import allocator_meter, log_saved_bytes
 from low_bits_training.titan.plan.schedule import install as install_schedule
 from low_bits_training.titan.plan.targets import live, run_of
 from low_bits_training.titan.platform.ranks import rank
@@ -121,7 +121,7 @@ class LowBitsTrainer(Trainer):
             self._microbatch = 0
             self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
             try:
-                with extras_for(self).step(self.step):
+                with extras_for(self).step(self.step), allocator_meter(self):
                     super().train_step(batches)
                 break
             except RedoStep:  # [quantize.autopilot] promoted a role: the step again, same batches
@@ -129,12 +129,11 @@ class LowBitsTrainer(Trainer):
                 nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
                 zero_expert_counts(self.model_parts)  # nor what it routed (MoE load balancing)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
-        per_token = log_saved_bytes(
-            self
-        )  # [[quantize.saved]] bytes kept for the backward (titan/plan/saved.py)
-        budget.report(
-            self, per_token
-        )  # bytes per parameter of each training state, once (titan/runtime/budget.py)
+        # [[quantize.saved]] bytes kept for the backward (titan/plan/saved.py), by the allocator on one step
+        per_token = log_saved_bytes(self)
+        if per_token is None or "allocator" in per_token:
+            # bytes per parameter of each state, once (titan/runtime/budget.py)
+            budget.report(self, per_token)
         return batches.seen
 
     def forward_backward_step(self, **kwargs):
