@@ -8,7 +8,8 @@ Trains the debug model (``train_configs/debug_model.toml``, one CPU rank, batch 
 and data, no checkpoint) through the launcher once per ``[[quantize.saved]]`` variant below, and prints a
 markdown table: the stored and as-made saved bytes per token of the last step (the ``saved/*`` metrics,
 what the hooks packed: parameters, softmax statistics and small tensors are kept and counted as made), their
-ratio, the final loss and the largest loss difference to the run without rules over all steps.
+ratio, the final loss and the largest loss difference to the run without rules over all steps; and what the
+allocator held for the same saves on step 2 (``state_bytes.json``, docs/memory.md "The allocator's view").
 ``--presets``: each config as it is (its own saves and optimizer), with its training-state bytes per
 parameter (``state_bytes.json``), against the first one.
 """
@@ -59,19 +60,21 @@ def main() -> None:
     extra = ["--activation_checkpoint", args.ac, *(["--compile.enable"] if args.compile else [])]
     rows, ref = [], None
     for name in args.variants.split(","):
-        losses, last, _ = _train(args.steps, {"saved": VARIANTS[name]}, extra)
+        losses, last, state = _train(args.steps, {"saved": VARIANTS[name]}, extra)
         ref = ref or losses
         tokens = last["saved/bytes"] / last["saved/bytes_per_token"]
+        held = state["saved_bytes_per_token"]["allocator"]
         rows.append(
-            f"| {name} | {last['saved/bytes'] / tokens:,.0f} | {last['saved/bytes_hp'] / tokens:,.0f} | "
+            f"| {name} | {last['saved/bytes'] / tokens:,.0f} | {held:,.0f} | {last['saved/bytes_hp'] / tokens:,.0f} | "
             f"{last['saved/bytes_hp'] / last['saved/bytes']:.2f}x | {_losses(losses, ref, args.steps)} |"
         )
         print(rows[-1], flush=True)
     print(f"\n{args.steps} steps, compile={args.compile}, activation_checkpoint={args.ac}\n")
     print(
-        "| saves | stored B/token | as made B/token | fewer bytes | final loss | vs first | max abs loss diff |"
+        "| saves | stored B/token | held by the allocator (step 2) | as made B/token | fewer bytes | final loss | "
+        "vs first | max abs loss diff |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -60,4 +60,8 @@ def test_scaled_mm_and_torchao_checks_run_on_cpu():
     for recipe in gpu_checks.REAL_RECIPES:  # torch._scaled_mm runs on CPU too
         assert gpu_checks.real_vs_emulation(recipe, "cpu")["status"] == "ok"
     row = gpu_checks.torchao_vs_emulation("fp8_rowwise", "cpu", emulated=True)
-    assert row["status"] == "ok" and row["max_rel_diff"] == 0.0
+    # bf16 inputs: our rowwise GEMM is a bf16 GEMM, torchao's emulation an fp32 one (docs/precision_plan.md,
+    # "torchao against our emulation"): equal where oneDNN sums in the same order (a CPU without bf16 dot
+    # products), one bf16 ulp apart on a few elements where it does not (AMD EPYC with AVX512-BF16, 2026-11-26:
+    # 1 of 98,304 output elements, 0.0030 of the largest value)
+    assert row["status"] == "ok" and row["max_rel_diff"] <= 2.0**-7
