@@ -46,7 +46,6 @@ from .presets import NATIVE
 _NATIVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@functools.cache
 def store_scales(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
     """Scales (on ``scale_format``'s grid) as stored: fp32 / bf16 / fp16 as that dtype, e8m0 / ue4m3 / any
     other format as its one-byte codes; exact either way."""
@@ -59,6 +58,7 @@ def read_scales(stored: torch.Tensor, scale_format: str) -> torch.Tensor:
     return stored.float() if scale_format in _NATIVE_DTYPES else decode_codes(stored, scale_format)
 
 
+@functools.cache
 def _lut(fmt: str, device: torch.device) -> torch.Tensor:
     """fp32 value of every code of an (<= 8-bit) format: eager decoding becomes one gather."""
     f = get_format(fmt)

@@ -108,3 +108,21 @@ def test_sgd_options_and_ignored_torch_keys():
     assert o.momentum == 0.9
     with pytest.raises(ValueError, match="momentum=0"):
         SGDOptions.from_group({"lr": 0.1, "momentum": 0})
+
+
+def test_storing_scales_keeps_no_reference_to_them():
+    """``store_scales`` once carried ``_lut``'s ``functools.cache`` by mistake: every scale tensor it was given
+    (each optimizer step's, each save's) stayed alive for good."""
+    import gc
+    import weakref
+
+    from low_bits_training.optim.codec import store_scales
+
+    for fmt in ("fp32", "bf16", "e8m0", "ue4m3"):
+        scale = torch.full((64, 1), 0.5)
+        ref = weakref.ref(scale)
+        stored = store_scales(scale, fmt)
+        assert stored.shape == (64, 1)
+        del scale, stored
+        gc.collect()
+        assert ref() is None, fmt

@@ -61,6 +61,21 @@ def test_stored_bytes():
     assert codec_of(SavedFormat(None, None, 0, 0)) is None
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_a_save_holds_what_it_counts(spec):
+    """What the allocator still holds after packing a save equals the bytes the codec counts (an e8m0-scaled
+    save once held 4 more bytes per row: the fp32 scales, kept alive by a misplaced cache)."""
+    from low_bits_training.optim.memory import HeldBytes
+
+    x, codec, keep = _values(torch.bfloat16), SaveCodec(spec), []
+    codec.encode(x)  # first-call work (format tables) out of the way
+    meter = HeldBytes("cpu")
+    with meter.recording():
+        with meter.span("save"):
+            keep.append(codec.encode(x))
+    assert meter.held() == {"save": codec.nbytes(keep[0])}
+
+
 def test_what_selective_checkpointing_keeps_is_packed_and_read_back_decoded():
     """A block under torchtitan's kind of SAC wrapper (torch's CheckpointWrapper, a policy that keeps every
     matmul output): ``pack_selective_saves`` routes the kept outputs through the save hooks, so the backward's
