@@ -202,3 +202,32 @@ def test_the_share_of_gemm_flops_per_format_follows_phases_and_promotions(tmp_pa
     page = build_report([tmp_path], tmp_path / "out").read_text()
     table = re.search(r'<table id="flops">(.*?)</table>', page).group(1)
     assert "<td>e4m3 x e4m3</td><td>50.0%</td>" in table
+
+
+def test_the_byte_report_gets_its_tables(tmp_path):
+    """state_bytes.json: the training states (computed and measured bytes per parameter) and the saved
+    activations per module (hooks, allocator, as made)."""
+    from low_bits_training.report.build import build_report
+
+    _metrics(tmp_path, [_row(1, 8.2, 100.0), _row(2, 8.1, 100.0)], steps=2)
+    side = {"bytes_per_param": {"params": 2.0, "exp_avg": 0.53125, "total": 2.53125},
+            "formats": {"params": ["bf16"], "exp_avg": ["int4 codes"]}}  # fmt: skip
+    saved = {"stored": 40296.0, "as_made": 82224.0, "allocator": 40296.5,
+             "modules": {"layers.0": {"stored": 6716.0, "as_made": 13704.0, "allocator": 6716.4}}}  # fmt: skip
+    budget = {"params": 10, "ranks": 1, "planned": side, "measured": side, "saved_bytes_per_token": saved}
+    (tmp_path / "state_bytes.json").write_text(json.dumps(budget))
+    page = build_report([tmp_path], tmp_path / "out").read_text()
+
+    def rows(table_id):
+        table = re.search(rf'<table id="{table_id}">(.*?)</table>', page).group(1)
+        return [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+
+    assert rows("state_bytes") == [
+        ["params", "bf16", "2", "2"], ["exp_avg", "int4 codes", "0.531", "0.531"], ["total", "", "2.531", "2.531"]
+    ]  # fmt: skip
+    assert rows("saved_bytes") == [
+        ["layers.0", "6716", "6716", "13704"],
+        ["total", "40296", "40296", "82224"],
+    ]
+    _metrics(tmp_path / "plain", [_row(1, 8.2, 100.0)], steps=1)  # no state_bytes.json: no tables
+    assert 'id="state_bytes"' not in build_report([tmp_path / "plain"], tmp_path / "out2").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .runs import RunData, flop_shares, load_run, whatif_summary
+from .runs import RunData, flop_shares, load_run, saved_rows, state_rows, whatif_summary
 
 COLUMNS = (
     ("run", "run"),
@@ -46,6 +46,20 @@ WHATIF_COLUMNS = (
     ("max_saturation", "max saturation"),
     ("min_sqnr_db", "min SQNR (dB)"),
     ("worst_layer", "lowest-SQNR layer"),
+)
+
+
+STATE_COLUMNS = (
+    ("state", "state"),
+    ("format", "format"),
+    ("planned", "B/param computed"),
+    ("measured", "B/param measured"),
+)
+SAVED_COLUMNS = (
+    ("module", "module"),
+    ("stored", "stored (hooks)"),
+    ("allocator", "held (allocator)"),
+    ("as_made", "as made"),
 )
 
 
@@ -130,6 +144,17 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
                 f"<h2>GEMM FLOPs by operand formats: {html.escape(run.name)} (linear layers, steps 1-"
                 f"{run.last_step})</h2>",
                 _table(rows, (("format", "operand formats"), ("share", "share of FLOPs")), "flops"),
+            ]
+        states, saves = state_rows(run), saved_rows(run)
+        if states:  # state_bytes.json: what the run holds
+            parts += [
+                f"<h2>Memory: {html.escape(run.name)} (training state, all ranks)</h2>",
+                _table(states, STATE_COLUMNS, "state_bytes"),
+            ]
+        if saves:
+            parts += [
+                f"<h2>Saved for the backward: {html.escape(run.name)} (bytes per token, rank 0)</h2>",
+                _table(saves, SAVED_COLUMNS, "saved_bytes"),
             ]
         alt = whatif_summary(run)
         if alt:  # [numerics] whatif: other formats measured on the same live tensors

@@ -1,6 +1,6 @@
 """The one reader of run folders, for ``lbt-report``, ``lbt-sweep`` and ``lbt-scaling``: ``metrics.jsonl``
-(loss, throughput, memory), ``numerics.jsonl`` (statistics) and ``autopilot.jsonl`` (the autopilot's
-decisions), and the numbers every table shows.
+(loss, throughput, memory), ``numerics.jsonl`` (statistics), ``autopilot.jsonl`` (the autopilot's
+decisions) and ``state_bytes.json`` (the byte report), and the numbers every table shows.
 
 The numbers every table (sweep, scaling, report) shows come from here:
 
@@ -31,6 +31,7 @@ from low_bits_training.config.runfolder import (
     METRICS_FILE,
     PLAN_JSON,
     SCHEDULE_JSON,
+    STATE_BYTES_JSON,
     TPS,
     read_jsonl,
     read_metrics,
@@ -61,6 +62,9 @@ class RunData:
     """Rows of numerics.jsonl of what-if formats (``[numerics] whatif``): one per (step, layer, role, name)."""
     decisions: list[dict[str, Any]] = field(default_factory=list)
     """Rows of autopilot.jsonl (``[quantize.autopilot]``): one per promotion, in step order."""
+    budget: dict[str, Any] | None = None
+    """state_bytes.json (``titan.runtime.budget``): training-state bytes per parameter, computed and
+    measured, and ``[[quantize.saved]]`` bytes per token (None: not written)."""
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of one metric (steps that do not have it are left out)."""
@@ -153,7 +157,38 @@ def load_run(folder: str | Path) -> RunData:
     own = [r for r in numerics if "whatif" not in r]
     alt = [r for r in numerics if "whatif" in r]
     decisions = read_jsonl(folder / AUTOPILOT_FILE)
-    return RunData(folder.resolve().name, folder, metrics, own, alt, decisions)
+    budget_file = folder / STATE_BYTES_JSON
+    budget = json.loads(budget_file.read_text()) if budget_file.is_file() else None
+    return RunData(folder.resolve().name, folder, metrics, own, alt, decisions, budget)
+
+
+def state_rows(run: RunData) -> list[dict[str, Any]]:
+    """The byte report's training states: bytes per parameter computed from the config and measured on the
+    live tensors, with the format (empty: no state_bytes.json)."""
+    if not run.budget:
+        return []
+    planned, measured = run.budget.get("planned") or {}, run.budget.get("measured") or {}
+    per_plan, per_live = planned.get("bytes_per_param", {}), measured.get("bytes_per_param", {})
+    formats = planned.get("formats") or measured.get("formats") or {}
+    return [
+        {
+            "state": state,
+            "format": "; ".join(formats.get(state, [])),
+            "planned": round(per_plan.get(state, math.nan), 3),
+            "measured": round(per_live.get(state, math.nan), 3),
+        }
+        for state in [*dict.fromkeys([*per_plan, *per_live])]
+    ]
+
+
+def saved_rows(run: RunData) -> list[dict[str, Any]]:
+    """The byte report's ``[[quantize.saved]]`` bytes per token per module, and their total: stored (the
+    hooks), held (the allocator, on the step it measured) and as made (empty: no rules or no report)."""
+    saved = (run.budget or {}).get("saved_bytes_per_token") or {}
+    whole = {k: v for k, v in saved.items() if k != "modules"}
+    rows = [{"module": m, **v} for m, v in (saved.get("modules") or {}).items()]
+    rows += [{"module": "total", **whole}] if whole else []
+    return [{k: (round(v) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
 
 
 def whatif_summary(run: RunData) -> list[dict[str, Any]]:
