@@ -3,7 +3,12 @@
 Trains the debug model (1 CPU rank, batch 4 x 256, ``--checkpoint.no-enable``) in this process's children,
 one per case, and on step 3 counts every tensor a forward saves for its backward
 (``torch.autograd.graph.saved_tensors_hooks``): the bytes of the distinct storages (what the step holds; a
-tensor several nodes save counts once) and the sum over all saves. ``--keep-merged-cast`` turns off the
+tensor several nodes save counts once) and the sum over all saves. What ``[[quantize.saved]]`` packs is out of
+this hook's sight (the rule's own hooks, inside the module, take those saves): the run's own count of it
+(``saved/bytes``, codes and scales as stored, and ``saved/bytes_hp``, as the forward made them) is added as
+two columns, and "held" is the distinct storages plus the stored bytes. ``--saved FORMAT ...`` trains each
+case once more per format with one rule, ``modules = ["layers.*"]`` in that format (its defaults: one scale
+per row for an 8-bit format). ``--keep-merged-cast`` turns off the
 compiled backward's fresh cast of W (``nn.functional.recast_under_compile``) to show what torch.compile's
 partitioner keeps without it (docs/precision_plan.md, "What a compiled layer keeps for the backward").
 
@@ -11,6 +16,8 @@ partitioner keeps without it (docs/precision_plan.md, "What a compiled layer kee
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_saved.py --recipes int8 --keep-merged-cast
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_saved.py --config-file train_configs/debug_moe.toml \
         --recipes preset                      # the preset's own [quantize] (MXFP8 experts)
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_saved.py --recipes preset --modes eager compiled \
+        --saved high bf16 e4m3 e4m3/tensor     # [[quantize.saved]] rules on every block
 
 Storages are told apart by address, so the numbers move by a MB or two between runs.
 """
@@ -24,9 +31,25 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 STEP = 3
 """The step measured (compilation and the first delayed-scaling updates are behind it)."""
+TOKENS = 4 * 256
+"""Tokens of one step (batch 4 x 256)."""
+
+
+def _with_rule(config_file: str, fmt: str, folder: Path) -> Path:
+    """A copy of ``config_file`` with one ``[[quantize.saved]]`` rule: every block's saves in ``fmt``
+    (``e4m3``, or ``e4m3/tensor``: a format and a scaling)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import write_toml
+
+    name, _, scaling = fmt.partition("/")
+    rule = {"modules": ["layers.*"], "format": name, **({"scaling": scaling} if scaling else {})}
+    return write_toml(folder / f"saved_{name}_{scaling}.toml", REPO / config_file, quantize={"saved": [rule]})
 
 
 def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_file: str) -> dict:
@@ -42,6 +65,8 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
     if keep_merged:
         functional.recast_under_compile = lambda plan: False
     cpu.install_device_module()
+    from low_bits_training.titan.runtime import trainer as trainer_module
+
     argv = [
         "--config-file", config_file, "--training.local_batch_size", "4",
         "--training.seq_len", "256", "--checkpoint.no-enable", "--dump_folder", dump,
@@ -71,6 +96,16 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
         )
         return out
 
+    log_saved = trainer_module.log_saved_bytes
+
+    def counted_saved(t):
+        per_token = log_saved(t)
+        if t.step == STEP and per_token:
+            tokens = t.config.training.local_batch_size * t.config.training.seq_len
+            result.update(rule_stored=per_token["stored"] * tokens, rule_made=per_token["as_made"] * tokens)
+        return per_token
+
+    trainer_module.log_saved_bytes = counted_saved
     trainer.train_step = counted_step
     try:
         trainer.train()
@@ -92,6 +127,11 @@ def main() -> None:
     p.add_argument(
         "--keep-merged-cast", action="store_true", help="compiled backward without the fresh W cast"
     )
+    p.add_argument(
+        "--saved", nargs="*", default=[], metavar="FORMAT",
+        help="also train each case with one [[quantize.saved]] rule on layers.* in each FORMAT "
+        "(a format, or format/scaling: e4m3/tensor)",
+    )  # fmt: skip
     p.add_argument("--one", nargs=2, metavar=("RECIPE", "MODE"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
@@ -103,35 +143,37 @@ def main() -> None:
                 )
             )
         return
-    print("| recipe | mode | distinct storages MB | sum over saves MB | largest (shape dtype: MB) |")
-    print("|---|---|---:|---:|---|")
-    for recipe in a.recipes:
-        for mode in a.modes:
-            cmd = [
-                sys.executable,
-                __file__,
-                "--one",
-                recipe,
-                mode,
-                "--config-file",
-                a.config_file,
-                *(["--keep-merged-cast"] * a.keep_merged_cast),
-            ]
-            run = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            )
-            line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{recipe} {mode} failed:\n{run.stderr[-3000:]}")
-            r = json.loads(line.removeprefix("RESULT "))
-            top = ", ".join(f"{k}: {v / 1e6:.1f}" for k, v in r["top"][:3])
-            print(
-                f"| {recipe} | {mode} | {r['distinct'] / 1e6:.1f} | {r['total'] / 1e6:.1f} | {top} |",
-                flush=True,
-            )
+    print(
+        "| recipe | mode | saves | distinct storages MB | sum over saves MB | [[quantize.saved]] stored MB | "
+        "as made MB | held MB | held B/token | largest (shape dtype: MB) |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    tmp = tempfile.TemporaryDirectory(prefix="bench_saved_rules_")
+    for recipe, mode, saved in [(r, m, s) for r in a.recipes for m in a.modes for s in [None, *a.saved]]:
+        config = a.config_file if saved is None else _with_rule(a.config_file, saved, Path(tmp.name))
+        cmd = [
+            sys.executable, __file__, "--one", recipe, mode, "--config-file", str(config),
+            *(["--keep-merged-cast"] * a.keep_merged_cast),
+        ]  # fmt: skip
+        run = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{recipe} {mode} failed:\n{run.stderr[-3000:]}")
+        r = json.loads(line.removeprefix("RESULT "))
+        top = ", ".join(f"{k}: {v / 1e6:.1f}" for k, v in r["top"][:3])
+        stored, made = r.get("rule_stored", 0), r.get("rule_made", 0)
+        held = r["distinct"] + stored
+        rule = "-" if saved is None else f"layers.* {saved}"
+        print(
+            f"| {recipe} | {mode} | {rule} | {r['distinct'] / 1e6:.1f} | {r['total'] / 1e6:.1f} | "
+            f"{stored / 1e6:.1f} | {made / 1e6:.1f} | {held / 1e6:.1f} | {held / TOKENS:,.0f} | {top} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
