@@ -165,11 +165,11 @@ def resolve_schedule(
 
 
 def check_switchable(schedule: Schedule, fixed: dict[str, str]) -> None:
-    """Layers whose plan changes during the run must be layers that can switch plans: our QuantLinear.
+    """Layers whose plan changes during the run must be targets that can switch plans (our QuantLinear, expert weights, attention products).
 
     Args:
         schedule: the resolved schedule.
-        fixed: FQN -> why that layer's module cannot switch (MoE expert weights, ...).
+        fixed: FQN -> why that entry's module cannot switch (its kind's ``TargetKind.what``).
 
     Raises:
         ConfigError: a changing layer that torchao's module runs in some plan, or one named in ``fixed``.

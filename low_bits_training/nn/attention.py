@@ -213,8 +213,21 @@ class ProductState(QuantState, nn.Module):
 
     def __init__(self, plan: LinearPlan, name: str = "", device=None):
         super().__init__()
+        self.on_plan = None
+        """Called after the plan changes (the owning attention module rebuilds its ``AttentionPlan``)."""
         self.plan, self.lbt_target = plan, name
         self.init_state_buffers(device, name)
+
+    @property
+    def plan(self) -> LinearPlan:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: LinearPlan) -> None:
+        # A phase or the autopilot sets it between steps, outside any compiled region.
+        self._plan = plan
+        if self.on_plan is not None:
+            self.on_plan()
 
     def extra_repr(self) -> str:
         return self.quantized_roles()

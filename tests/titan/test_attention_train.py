@@ -115,16 +115,55 @@ def test_debug_model_trains_with_fp8_attention(tmp_path):
     ), table
 
 
-def test_a_phase_that_changes_attention_is_refused():
+def test_a_phase_that_quantizes_attention_later_builds_it_from_the_start():
+    """Attention products switch plans mid-run: a module quantized only in a later phase is built as
+    QuantAttention with its step-1 plans (high precision)."""
     from low_bits_training.config.plan import Phase
-    from low_bits_training.titan.plan.targets import apply_run
+    from low_bits_training.titan.plan.attention import quant_attention_class
+    from low_bits_training.titan.plan.targets import apply_run, current_plans
 
     config = _config()
     config.quantize.phases = [Phase(start=0.5, rules=[FP8])]
-    with pytest.raises(
-        ConfigError, match=r"changes the plan of layers.0.attention.qk \(an attention product\)"
-    ):
-        apply_run(config)
+    run = apply_run(config)
+    assert run.switchable("layers.0.attention.qk") and "layers.3.attention.pv" in run.keep()
+    inner = _inner(config)
+    assert all(type(c) is quant_attention_class().Config for c in inner)
+    assert all(p.is_high_precision for c in inner for p in c.plans.values())
+    assert current_plans(config)[1]["layers.0.attention.qk"] == "QuantAttention"
+    assert not run.schedule.at(31).plans["layers.0.attention.qk"].is_high_precision
+
+
+def test_a_product_switched_mid_run_computes_as_one_built_with_that_plan():
+    """Setting a product's plan (what a phase or the autopilot does between steps) rebuilds the module's
+    AttentionPlan: outputs and gradients equal a module built with that plan, bit for bit, and switching
+    back gives the first plan's numbers again."""
+    from low_bits_training.titan.plan.attention import quant_attention_class
+    from low_bits_training.titan.plan.targets import resolve_run
+
+    cls = quant_attention_class()
+    fp8 = resolve_run(_config(rules=[FP8])).plans["layers.0.attention.qk"]
+    mask = namedtuple("Mask", "mask_mod")(lambda b, h, q, kv: q >= kv)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 4, 16, generator=g) for _ in range(3))
+
+    def run(module):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = module(qq, kk, vv, attention_masks=mask)
+        out.square().sum().backward()
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    switched = cls(cls.Config(plans={"qk": LinearPlan()}, fqn="layers.0.attention"))
+    high = run(switched)
+    switched.qk.plan = fp8
+    assert switched.plan.qk is fp8 and not switched.plan.is_high_precision
+    built = cls(cls.Config(plans={"qk": fp8}, fqn="layers.0.attention"))
+    want, got = run(built), run(switched)
+    assert not torch.equal(want[0], high[0])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    switched.qk.plan = LinearPlan()
+    for a, b in zip(run(switched), high, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_quantized_attention_too_big_for_the_device_is_one_line():

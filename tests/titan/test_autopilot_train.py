@@ -113,6 +113,36 @@ def test_an_expert_weight_is_promoted_as_a_linear_layer_is(tmp_path):
     assert _decisions(run) == [{**STEP1, "layer": EXPERT}]
 
 
+PRODUCT = "layers.1.attention.qk"
+DS = {"layers": [PRODUCT], "roles": ["dgrad.grad_output", "wgrad.grad_output"]}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_attention_product_is_promoted_as_a_phase_would_switch_it(tmp_path, compiled):
+    """Attention products switch plans mid-run: Q K^T's gradient dS (both GEMMs that read it) in an unscaled
+    e2m5 underflows entirely; the statistics of step 1 promote those two roles to high precision from step
+    2, and the losses equal, bit for bit, a run whose plan a phase switches the same way at step 2 (compiled:
+    one more graph for the new block plan); without the autopilot step 3 differs."""
+
+    def config(name, **quantize):
+        rule = {**DS, "format": "e2m5", "scaling": "none"}
+        return write_toml(tmp_path / name, quantize={"recipe": "bf16", "rules": [rule], **quantize})
+
+    steps = ("--training.steps", "3", "--checkpoint.no-enable", *(["--compile.enable"] * compiled))
+    later = [{"start": 1, "rules": [{**DS, "format": "high"}]}]
+    phase = _run(tmp_path / "phase", *steps, config=config("phase.toml", phases=later))
+    run = _run(tmp_path / "run", *steps, config=config("pilot.toml", autopilot={"enable": True}))
+    assert run.losses == phase.losses and sorted(run.losses) == [1, 2, 3]  # bit for bit
+    assert [(d["step"], d["layer"], d["role"], d["trigger"], d["after"]) for d in _decisions(run)] == [
+        (1, PRODUCT, "dgrad.grad_output", "underflow", "high"),
+        (1, PRODUCT, "wgrad.grad_output", "underflow", "high"),
+    ]
+    assert "watches 1 quantized targets (of 2 that can switch plans" in run.log
+    if not compiled:
+        kept = _run(tmp_path / "kept", *steps, config=config("kept.toml"))
+        assert kept.losses[3] != run.losses[3], (kept.losses, run.losses)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_the_same_decision_compiled_and_on_every_rank_of_two(tmp_path, nproc):
     """1 rank compiled (the promotion compiles the block's new plan once); 2 FSDP2 ranks eager, where the

@@ -46,10 +46,16 @@ def quant_attention_class() -> type:
 
         def __init__(self, config: Config):
             super().__init__(config)
-            plans = {n: config.plans.get(n, LinearPlan()) for n in PRODUCTS}
-            self.plan = AttentionPlan(**plans)
             for n in PRODUCTS:
-                self.add_module(n, TitanProductState(plans[n], f"{config.fqn}.{n}"))
+                self.add_module(n, TitanProductState(config.plans.get(n, LinearPlan()), f"{config.fqn}.{n}"))
+            self.replan()
+            for n in PRODUCTS:
+                getattr(self, n).on_plan = self.replan
+
+        def replan(self) -> None:
+            """The module's ``AttentionPlan`` from its products' plans (again after a phase or the autopilot
+            changed one: the plan is a graph constant, so a compiled block compiles once per distinct plan)."""
+            self.plan = AttentionPlan(qk=self.qk.plan, pv=self.pv.plan)
 
         def attend(self, q, k, v, mask, scale, enable_gqa):
             states = (self.qk.state, self.pv.state)
@@ -150,8 +156,12 @@ def attention_plans(model_config) -> dict[str, tuple[LinearPlan, str]]:
     return out
 
 
-def convert_attention(model_config, plans: dict[str, LinearPlan], parallelism) -> int:
-    """Swap the inner attention of every attention module the plan quantizes, in place.
+def convert_attention(
+    model_config, plans: dict[str, LinearPlan], parallelism, keep: set[str] = frozenset()
+) -> int:
+    """Swap the inner attention of every attention module the plan quantizes, or whose product ``keep`` names
+    (quantized in a later phase: such a module starts on its step-1 plans, high precision on the dense path),
+    in place.
 
     Returns:
         How many were swapped.
@@ -163,7 +173,8 @@ def convert_attention(model_config, plans: dict[str, LinearPlan], parallelism) -
     hits = []
     for fqn, cfg in _attentions(model_config):
         mine = {n: plans[f"{fqn}.{n}"] for n in PRODUCTS if f"{fqn}.{n}" in plans}
-        if not all(p.is_high_precision for p in mine.values()):
+        later = any(f"{fqn}.{n}" in keep for n in PRODUCTS)
+        if later or not all(p.is_high_precision for p in mine.values()):
             hits.append((fqn, cfg, mine))
     check_attention_parallelism([f for f, _, _ in hits], parallelism)
     for fqn, cfg, mine in hits:
@@ -176,9 +187,11 @@ def convert_attention(model_config, plans: dict[str, LinearPlan], parallelism) -
 KIND = TargetKind(
     name="attention",
     what="an attention product",
-    switchable=False,
+    switchable=True,
     entries=lambda config: attention_layers(config.model_spec.model, config.training.seq_len),
-    convert=lambda config, run: convert_attention(config.model_spec.model, run.plans, config.parallelism),
+    convert=lambda config, run: convert_attention(
+        config.model_spec.model, run.plans, config.parallelism, run.keep()
+    ),
     label=product_module_label,
     current=attention_plans,
 )

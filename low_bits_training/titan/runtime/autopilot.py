@@ -3,8 +3,9 @@
 Two ways in (``config/autopilot.py`` has the section and the ladder):
 
 - ``on_nonfinite``: the numerics monitor named the first NaN / Inf of a microbatch (the same on every
-  rank). When it is a GEMM's product of a quantized linear layer or expert weight, the quantized operands of that GEMM that
-  can overflow (those without saturation; else all of them) go one rung up, and ``RedoStep`` is raised: the
+  rank). When it is a GEMM's product of a quantized linear layer, expert weight or attention product, the
+  quantized operands of that GEMM that can overflow (those without saturation; else all of them) go one
+  rung up, and ``RedoStep`` is raised: the
   trainer runs the step again from its start with the same batches (no gradient was applied; every random
   stream derives from the step), so the run goes on as if the promoted plan had been there from this step.
 - ``on_stats``: a statistics step's table (reduced over ranks) has a role over a threshold; it goes one
@@ -146,7 +147,7 @@ class Autopilot:
         watched = sum(not layer.plan.is_high_precision for layer in self.layers.values())
         logger.info(
             f"autopilot: ladder {' -> '.join(cfg.ladder)}; watches {watched} quantized targets "
-            f"(of {len(self.layers)} that can switch plans: linear layers, MoE expert weights)"
+            f"(of {len(self.layers)} that can switch plans: linear layers, MoE expert weights, attention products)"
         )
 
     def stats_step(self, step: int) -> bool:
