@@ -187,7 +187,8 @@ def test_the_share_of_gemm_flops_per_format_follows_phases_and_promotions(tmp_pa
         return {"specs": {r: None if fmt is None else {"format": fmt, "scaling": "tensor"} for r in roles}}
 
     _metrics(tmp_path, [_row(s, 8.0 - s / 10, 100.0) for s in range(1, 5)], steps=4)
-    (tmp_path / "gemm_sizes.json").write_text(json.dumps({"a": [4, 8], "b": [4, 4]}))
+    # "b": 2 x 2 run twice per token (an attention product of two heads, an expert weight with top_k 2)
+    (tmp_path / "gemm_sizes.json").write_text(json.dumps({"a": [4, 8], "b": [2, 2, 4]}))
     phases = [
         {"label": "p1", "first_step": 1, "last_step": 2, "plans": {"a": specs("e4m3"), "b": specs(None)}},
         {"label": "p2", "first_step": 3, "last_step": 4, "plans": {"a": specs("e4m3"), "b": specs("e2m1")}},

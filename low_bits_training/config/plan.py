@@ -213,6 +213,14 @@ class LayerShape:
     """Tensor-parallel degree: block/tile scales must also fit a 1/tp shard of each feature dim."""
     kind: TargetKind = "linear"
     """What the entry is (see ``TargetKind``)."""
+    copies: int = 1
+    """How many times its GEMMs run per token: the query heads of an attention product, the experts each
+    token is routed to (``top_k``) of an expert weight (the report's FLOP shares)."""
+
+    @property
+    def macs_per_token(self) -> int:
+        """Multiply-adds of its forward GEMM per token (each of the three GEMMs does as many)."""
+        return self.in_features * self.out_features * self.copies
 
     @property
     def grouped(self) -> bool:

@@ -94,8 +94,9 @@ PLAN_TEXT = "precision_plan.txt"
 PLAN_JSON = "precision_plan.json"
 """The plan of step 1, one object per entry (``config.plan_table.plan_to_json``)."""
 GEMM_SIZES_JSON = "gemm_sizes.json"
-"""FQN -> ``[in_features, out_features]`` of every linear layer of the plan: each of its three GEMMs does
-2 x tokens x in x out FLOPs per step (the report's share of GEMM FLOPs per format reads it)."""
+"""FQN -> ``[in_features, out_features, copies]`` of every entry of the plan (``config.plan.LayerShape``):
+each of its three GEMMs does 2 x tokens x in x out x copies FLOPs per step (the report's share of GEMM
+FLOPs per format reads it)."""
 SCHEDULE_JSON = "precision_schedule.json"
 """Every phase's plan with its first and last step; written only for a run with a schedule."""
 

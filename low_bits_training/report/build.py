@@ -141,7 +141,7 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
         if len(shares) > 1 or run.decisions:  # a run whose GEMMs ran in more than one format
             rows = [{"format": r["format"], "share": f"{100 * r['share']:.1f}%"} for r in shares]
             parts += [
-                f"<h2>GEMM FLOPs by operand formats: {html.escape(run.name)} (linear layers, steps 1-"
+                f"<h2>GEMM FLOPs by operand formats: {html.escape(run.name)} (every plan target, steps 1-"
                 f"{run.last_step})</h2>",
                 _table(rows, (("format", "operand formats"), ("share", "share of FLOPs")), "flops"),
             ]

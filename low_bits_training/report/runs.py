@@ -240,9 +240,12 @@ def _gemm_label(specs: dict[str, Any], gemm: str, override: dict[str, str]) -> s
 
 
 def flop_shares(run: RunData) -> list[dict[str, Any]]:
-    """The share of the linear layers' GEMM FLOPs (forward, dgrad, wgrad of every step up to the last logged
-    one) that ran in each pair of operand formats, from the run folder's plan files: ``gemm_sizes.json``
-    (each GEMM of a layer does 2 x tokens x in x out per step), ``precision_schedule.json`` (phases; else
+    """The share of the GEMM FLOPs of every plan target (linear layers, router gates, expert weights,
+    attention products; forward, dgrad, wgrad of every step up to the last logged one) that ran in each pair
+    of operand formats, from the run folder's plan files: ``gemm_sizes.json`` (``[in, out, copies]``: each
+    GEMM of an entry does 2 x tokens x in x out x copies per step, copies being the query heads of an
+    attention product or the experts a token is routed to; a run from before copies were written has
+    ``[in, out]``, linear layers only), ``precision_schedule.json`` (phases; else
     ``precision_plan.json`` for every step) and ``autopilot.jsonl`` (a promotion holds from its step on).
     Empty when the folder has no sizes (a run from before they were written) or no step."""
     folder, last = Path(run.folder), run.last_step
@@ -267,11 +270,11 @@ def flop_shares(run: RunData) -> list[dict[str, Any]]:
         for d in promotions:  # in the order taken: a later one on the same role wins
             if int(d["step"]) <= start:
                 now.setdefault(d["layer"], {})[d["role"]] = str(d["after"]).split("/")[0]
-        for fqn, (n_in, n_out) in sizes.items():
+        for fqn, (n_in, n_out, *copies) in sizes.items():
             specs = plans.get(fqn, {}).get("specs", {})
             for gemm in GEMMS:
                 label = _gemm_label(specs, gemm, now.get(fqn, {}))
-                flops[label] = flops.get(label, 0.0) + (end - start) * n_in * n_out
+                flops[label] = flops.get(label, 0.0) + (end - start) * n_in * n_out * (copies or [1])[0]
     total = sum(flops.values())
     return (
         [{"format": k, "share": v / total} for k, v in sorted(flops.items(), key=lambda kv: -kv[1])]

@@ -72,6 +72,23 @@ def test_entries_of_the_moe_model_by_kind_and_the_router_stays_high():
         assert not plans["layers.0.attention.wo"].is_high_precision, recipe
 
 
+def test_gemm_sizes_count_every_kind_per_token(tmp_path):
+    """gemm_sizes.json (the report's FLOP shares): an expert weight's GEMMs run top_k times per token (the
+    tiny MoE model routes each token to 2 of 8 experts), an attention product's once per query head, with
+    in / out of one head's product (head_dim 32, seq_len)."""
+    config = _load(MOE)
+    targets.apply_run(config)
+    sizes = json.loads(targets.save_plan(config, tmp_path).with_name("gemm_sizes.json").read_text())
+    seq = config.training.seq_len
+    assert sizes["layers.0.moe.routed_experts.inner_experts.w1"] == [128, 128, 2]
+    assert sizes["layers.0.attention.qk"] == [32, seq, 4] and sizes["layers.0.attention.pv"] == [seq, 32, 4]
+    assert sizes["layers.0.attention.wo"] == [128, 128, 1] and sizes["layers.0.moe.router.gate"] == [
+        128,
+        8,
+        1,
+    ]
+
+
 def test_a_rule_that_names_the_router_reaches_it():
     from low_bits_training.config.plan import QuantRule
 

@@ -80,8 +80,8 @@ def attention_layers(model_config, seq_len: int) -> dict[str, LayerShape]:
     out = {}
     for fqn, cfg in _attentions(model_config):
         h = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
-        out[f"{fqn}.qk"] = LayerShape(h, seq_len, seq_len, kind="qk")
-        out[f"{fqn}.pv"] = LayerShape(seq_len, h, seq_len, kind="pv")
+        out[f"{fqn}.qk"] = LayerShape(h, seq_len, seq_len, kind="qk", copies=cfg.n_heads)
+        out[f"{fqn}.pv"] = LayerShape(seq_len, h, seq_len, kind="pv", copies=cfg.n_heads)
     return out
 
 

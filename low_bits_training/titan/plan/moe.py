@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
 from torchtitan.trainer import Trainer
 
@@ -153,11 +153,13 @@ def expert_layers(model_config, tp: int = 1) -> dict[str, LayerShape]:
 
     The token multiple is 0: the dispatcher pads each expert's tokens to whatever the plan's blocks need.
     """
+    top_k = {f"{fqn}.": cfg.router.top_k for fqn, cfg, _, _ in model_config.traverse(MoE.Config)}
     out = {}
     for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config):
         d, h = cfg.dim, cfg.hidden_dim
+        k_of = next((k for prefix, k in top_k.items() if fqn.startswith(prefix)), 1)
         for name, (k, n) in zip(WEIGHTS, ((d, h), (h, d), (d, h)), strict=True):
-            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp, kind="experts")
+            out[f"{fqn}.{name}"] = LayerShape(k, n, tokens_multiple=0, tp=tp, kind="experts", copies=k_of)
     return out
 
 

@@ -217,7 +217,7 @@ def save_plan(config, folder: str | os.PathLike) -> Path:
     write_atomic(folder / PLAN_JSON, json.dumps(plan_to_json(plans, labels), indent=1) + "\n")
     if schedule:
         write_atomic(folder / SCHEDULE_JSON, json.dumps(schedule, indent=1) + "\n")
-    sizes = {f: [x.in_features, x.out_features] for f, x in run.shapes.items() if x.kind == "linear"}
+    sizes = {f: [x.in_features, x.out_features, x.copies] for f, x in run.shapes.items()}
     write_atomic(folder / GEMM_SIZES_JSON, json.dumps(sizes, indent=1) + "\n")
     logger.info("Precision plan:\n" + head + table)
     return folder / PLAN_TEXT
