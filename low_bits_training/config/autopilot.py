@@ -58,7 +58,8 @@ class AutopilotConfig(Section):
     nonfinite: bool = True
     """Promote the roles of a GEMM that made a NaN / Inf and run the step again under the new plan."""
     saturation: Annotated[float, AtLeast(0.0, "0: off")] = 0.01
-    """Promote a role whose share of values clipped to the format's largest passes this (0: off)."""
+    """Promote a role whose share of clipped values (``clipping``: past the format's max by more than half its
+    top grid step, ``numerics.stats``) passes this (0: off)."""
     underflow: Annotated[float, AtLeast(0.0, "0: off")] = 0.5
     """Promote a role whose share of nonzero values flushed to zero passes this (0: off)."""
     sqnr_db: Annotated[float, AtLeast(0.0, "0: off")] = 0.0

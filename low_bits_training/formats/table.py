@@ -89,6 +89,11 @@ class FloatFormat:
         return math.ldexp(1 + top_mantissa / 2**self.mbits, self.emax)
 
     @property
+    def max_step(self) -> float:
+        """The gap between ``max`` and the next value below it (the grid step of the top binade)."""
+        return math.ldexp(1.0, self.emax - self.mbits)
+
+    @property
     def min_normal(self) -> float:
         return math.ldexp(1.0, self.emin)
 
@@ -141,6 +146,9 @@ class IntFormat:
     @property
     def max(self) -> float:
         return float(2 ** (self.bits - 1) - 1)
+
+    max_step = 1.0
+    """The gap between ``max`` and the next value below it."""
 
     @property
     def emax(self) -> int:

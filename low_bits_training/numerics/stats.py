@@ -9,6 +9,9 @@ Definitions (x: the high-precision operand, q: its quantized value, s: its group
 
 - underflow: x != 0 and q == 0 (the value flushed to zero)
 - saturated: |x / s| > max of the element format (clamped to +-max, or inf/NaN without saturation)
+- clipped: |x / s| > max + half the format's top grid step: values round to nearest would have put past
+  max, so clamping loses more than rounding would (a rounded block scale, NVFP4's ue4m3, lifts a block's
+  largest value just above max on ordinary data: saturated, not clipped)
 - SQNR (dB): 10 log10(sum x^2 / sum (x - q)^2), over finite x; +inf when q == x
 - exponent histogram: floor(log2 |x / s|) of the nonzero finite values, clipped to [HIST_LO, HIST_HI)
 """
@@ -37,6 +40,7 @@ FIELDS: tuple[Field, ...] = (
     Field("nonzero", "sum"),  # finite nonzero elements of x
     Field("underflow", "sum"),
     Field("saturated", "sum"),
+    Field("clipped", "sum"),
     Field("nonfinite", "sum"),  # NaN / inf in x
     Field("signal", "sum"),  # sum x^2 (finite x)
     Field("noise", "sum"),  # sum (x - q)^2 (finite x)
@@ -134,6 +138,7 @@ def operand_stats(x: torch.Tensor, spec: QuantSpec, q: torch.Tensor | None = Non
         "nonzero": (xf != 0).sum(),
         "underflow": ((xf != 0) & (qg == 0)).sum(),
         "saturated": (scaled.abs() > spec.elem.max).sum(),
+        "clipped": (scaled.abs() > spec.elem.max + spec.elem.max_step / 2).sum(),
         "nonfinite": (~finite).sum(),
         "signal": xf.double().square().sum(),
         "noise": torch.where(finite, xg - qg, 0.0).double().square().sum(),
@@ -166,7 +171,7 @@ def summarize(raw: torch.Tensor) -> dict[str, float | list[float]]:
 
     Returns:
         ``amax``, ``scale_mean`` / ``scale_min`` / ``scale_max``, ``underflow`` (fraction of the nonzero
-        values), ``saturation`` and ``nonfinite`` (fractions of all values), ``sqnr_db``, ``n``, and
+        values), ``saturation``, ``clipping`` and ``nonfinite`` (fractions of all values), ``sqnr_db``, ``n``, and
         ``hist`` (fractions of the nonzero values per exponent bucket, from HIST_LO).
     """
     r = raw.detach().to(torch.float64).cpu().tolist()
@@ -181,6 +186,7 @@ def summarize(raw: torch.Tensor) -> dict[str, float | list[float]]:
         "scale_max": g["scale_max"] if groups else math.nan,
         "underflow": g["underflow"] / nz if nz else 0.0,
         "saturation": g["saturated"] / n if n else 0.0,
+        "clipping": g["clipped"] / n if n else 0.0,
         "nonfinite": g["nonfinite"] / n if n else 0.0,
         "sqnr_db": sqnr_db(g["signal"], g["noise"]),
         "hist": [h / nz if nz else 0.0 for h in hist],

@@ -140,7 +140,7 @@ def test_redos_of_a_step_are_capped(tmp_path):
 def test_statistics_over_a_threshold_promote_on_statistics_steps_only(tmp_path):
     grads = QuantRule(roles=["*.grad_output"], format="e5m2", scaling="none")
     pilot, layers = _pilot(tmp_path, [grads], every=10)
-    row = {"layer": "layers.0.w", "role": "dgrad.grad_output", "saturation": 0.0, "sqnr_db": 20.0}
+    row = {"layer": "layers.0.w", "role": "dgrad.grad_output", "clipping": 0.0, "sqnr_db": 20.0}
     pilot.on_stats(7, [dict(row, underflow=0.9)])  # not a statistics step (1, 10, 20, ...)
     assert layers["layers.0.w"].plan.spec("dgrad.grad_output") is not None
     pilot.on_stats(10, [dict(row, underflow=0.4), dict(row, layer="layers.1.w", underflow=0.9)])
@@ -150,10 +150,23 @@ def test_statistics_over_a_threshold_promote_on_statistics_steps_only(tmp_path):
     assert [d.trigger for d in pilot.decisions] == ["underflow"]
 
 
+def test_the_saturation_trigger_reads_clipping_not_values_a_rounded_block_scale_lifts(tmp_path):
+    """NVFP4 on ordinary data: ~3.5% of values sit just above 6 after the ue4m3 block scale rounds down
+    (``saturation``), none clipped past the rounding boundary (``clipping``): no promotion. A role that
+    clips 2% is promoted under the default threshold (1%)."""
+    grads = QuantRule(roles=["*.grad_output"], format="e5m2", scaling="none")
+    pilot, layers = _pilot(tmp_path, [grads])
+    row = {"layer": "layers.0.w", "role": "dgrad.grad_output", "underflow": 0.0, "sqnr_db": 20.0}
+    pilot.on_stats(1, [dict(row, saturation=0.035, clipping=0.0)])
+    assert not pilot.decisions and layers["layers.0.w"].plan.spec("dgrad.grad_output") is not None
+    pilot.on_stats(10, [dict(row, saturation=0.035, clipping=0.02)])
+    assert [(d.trigger, d.value) for d in pilot.decisions] == [("saturation", 0.02)]
+
+
 def test_a_resumed_run_replays_the_decisions_before_its_first_step(tmp_path):
     grads = QuantRule(roles=["*.grad_output"], format="e5m2", scaling="none")
     first, _ = _pilot(tmp_path, [grads])
-    row = {"role": "dgrad.grad_output", "saturation": 0.0, "sqnr_db": 20.0, "underflow": 0.9}
+    row = {"role": "dgrad.grad_output", "clipping": 0.0, "sqnr_db": 20.0, "underflow": 0.9}
     first.on_stats(10, [dict(row, layer="layers.0.w")])
     first.on_stats(20, [dict(row, layer="layers.1.w")])
     # A resume from step 15's checkpoint: step 10's decision is replayed, step 20's (redone) is dropped.
@@ -221,10 +234,10 @@ def test_snapshots_are_taken_every_n_steps_and_at_checkpoints_and_the_two_newest
 def test_a_spike_rolls_back_and_promotes_the_role_the_last_statistics_found_worst(tmp_path):
     grads = QuantRule(roles=["*.grad_output", "forward.input"], format="e4m3", scaling="tensor")
     pilot, layers = _pilot(tmp_path, [grads], spike_z=6.0, spike_window=8, saturation=0.0, underflow=0.0)
-    row = {"saturation": 0.0, "underflow": 0.1, "sqnr_db": 30.0}
+    row = {"clipping": 0.0, "underflow": 0.1, "sqnr_db": 30.0}
     pilot.on_stats(1, [
-        dict(row, layer="layers.0.w", role="forward.input", saturation=0.002),
-        dict(row, layer="layers.1.w", role="forward.input", saturation=0.004),
+        dict(row, layer="layers.0.w", role="forward.input", clipping=0.002),
+        dict(row, layer="layers.1.w", role="forward.input", clipping=0.004),
         dict(row, layer="layers.1.w", role="dgrad.grad_output", underflow=0.3),
     ])  # fmt: skip
     pilot.snapshots.add(_snap(4))

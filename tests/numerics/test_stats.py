@@ -32,6 +32,7 @@ def test_unscaled_e4m3_by_hand(dtype):
     assert s["n"] == 5
     assert s["underflow"] == pytest.approx(1 / 4)
     assert s["saturation"] == pytest.approx(1 / 5)
+    assert s["clipping"] == pytest.approx(1 / 5)  # 500 > 448 + 32 / 2
     assert s["amax"] == 500.0
     assert (s["scale_min"], s["scale_max"], s["scale_mean"]) == (1.0, 1.0, 1.0)
     signal = 2.0**-24 + 1 + 500.0**2 + 3.25**2
@@ -68,8 +69,30 @@ def test_floor_scale_saturates():
     x = torch.tensor([7.5, 1.0, 1.0, 1.0])
     spec = QuantSpec("e4m3", "block", block_size=4, scale_format="e8m0", scale_rounding="floor")
     s = summarize(operand_stats(x, spec))
-    assert s["saturation"] == 0.25
+    assert s["saturation"] == 0.25 and s["clipping"] == 0.25  # 480 > 448 + 16
     assert s["sqnr_db"] == pytest.approx(10 * math.log10((7.5**2 + 3) / (7.5 - 7.0) ** 2))
+
+
+def test_clipping_counts_values_past_the_rounding_boundary_above_max():
+    """Saturated: above the format's max; clipped: above max + half its top grid step (e4m3: 448 + 16), where
+    round to nearest would have left the grid. NVFP4 on Gaussian data: a few percent saturated (a block's
+    largest value lifted just past 6 when its ue4m3 scale rounds down), none clipped past 7."""
+    from low_bits_training.config.plan import LinearPlan
+    from low_bits_training.formats.table import get_format
+
+    assert [get_format(n).max_step for n in ("e2m1", "e4m3", "e5m2", "e3m2", "int8")] == [
+        2.0,
+        32.0,
+        8192.0,
+        4.0,
+        1.0,
+    ]
+    s = summarize(operand_stats(torch.tensor([450.0, 464.0, 465.0, 1.0]), E4M3_UNSCALED))
+    assert (s["saturation"], s["clipping"]) == (0.75, 0.25)
+    torch.manual_seed(0)
+    nvfp4 = LinearPlan.from_recipe("nvfp4").specs[0]
+    s = summarize(operand_stats(torch.randn(256, 1024), nvfp4))
+    assert s["saturation"] > 0.02 and s["clipping"] == 0.0
 
 
 def test_nonfinite_values_are_counted_not_propagated():

@@ -113,6 +113,19 @@ def test_an_expert_weight_is_promoted_as_a_linear_layer_is(tmp_path):
     assert _decisions(run) == [{**STEP1, "layer": EXPERT}]
 
 
+def test_the_documented_nvfp4_ladder_promotes_nothing_on_ordinary_data(tmp_path):
+    """docs/numerics.md's example (recipe nvfp4, ladder nvfp4 -> mxfp8 -> high, default triggers): a few
+    percent of every NVFP4 role read as ``saturation`` (a rounded ue4m3 block scale lifts a block's largest
+    value just past 6), which promoted all 60 roles at step 1; the trigger reads ``clipping``: none."""
+    pilot = {"enable": True, "ladder": ["nvfp4", "mxfp8", "high"]}
+    config = write_toml(tmp_path / "nvfp4.toml", quantize={"recipe": "nvfp4", "autopilot": pilot})
+    run = _run(tmp_path / "run", "--training.steps", "1", "--checkpoint.no-enable", config=config)
+    rows = [json.loads(x) for x in (run.folder / "numerics.jsonl").read_text().splitlines()]
+    assert len(rows) == 180 and max(r["saturation"] for r in rows) > 0.02
+    assert max(r["clipping"] for r in rows) < 0.001
+    assert _decisions(run) == [] and "watches 30 quantized targets" in run.log
+
+
 PRODUCT = "layers.1.attention.qk"
 DS = {"layers": [PRODUCT], "roles": ["dgrad.grad_output", "wgrad.grad_output"]}
 

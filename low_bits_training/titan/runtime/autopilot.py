@@ -290,7 +290,7 @@ class Autopilot:
 
     def _failing(self, row: dict) -> list[tuple[str, float]]:
         cfg, out = self.cfg, []
-        sat, under, sqnr = (float(row[k]) for k in ("saturation", "underflow", "sqnr_db"))
+        sat, under, sqnr = (float(row[k]) for k in ("clipping", "underflow", "sqnr_db"))
         if cfg.saturation and sat > cfg.saturation:
             out.append(("saturation", sat))
         if cfg.underflow and under > cfg.underflow:
@@ -394,7 +394,7 @@ class Autopilot:
             r for r in self.last_table
             if not r.get("whatif") and r["layer"] in self.layers and self._next(r["layer"], r["role"])
         ]  # fmt: skip
-        for key, sign in (("saturation", 1.0), ("underflow", 1.0), ("sqnr_db", -1.0)):
+        for key, sign in (("clipping", 1.0), ("underflow", 1.0), ("sqnr_db", -1.0)):
             scored = [(sign * float(r[key]), r) for r in rows if not math.isnan(float(r[key]))]
             scored = [(v, r) for v, r in scored if v > 0 or key == "sqnr_db"]
             if scored:
