@@ -10,7 +10,7 @@ import torch
 from .stats import HIST_LO, summarize
 
 NUMERICS_FILE = "numerics.jsonl"
-HEADLINE = ("underflow", "saturation", "sqnr_db")
+HEADLINE = ("underflow", "saturation", "clipping", "sqnr_db")
 """The per-(layer, role) numbers that go to the metrics loggers (everything goes to the JSONL file)."""
 
 
@@ -50,7 +50,7 @@ def rows(step: int, keys: list[tuple[str, str]], raw: torch.Tensor, specs: dict)
 
 def headline_metrics(table: list[dict[str, Any]], per_layer: bool) -> dict[str, float]:
     """Scalars for the metrics loggers: per role the worst layer (``numerics/<role>/underflow_max``,
-    ``.../saturation_max``, ``.../sqnr_db_min``), and with ``per_layer`` every layer's headline numbers."""
+    ``.../saturation_max``, ``.../clipping_max``, ``.../sqnr_db_min``), and with ``per_layer`` every layer's headline numbers."""
     out: dict[str, float] = {}
     for row in table:
         role = row["role"]

@@ -149,7 +149,8 @@ def whatif_rows(
 
 def whatif_headlines(table: list[dict[str, Any]], per_layer: bool) -> dict[str, float]:
     """Metrics-logger scalars of what-if rows: per alternative and role the worst layer,
-    ``numerics/whatif/<name>/<role>/underflow_max``, ``.../saturation_max``, ``.../sqnr_db_min``."""
+    ``numerics/whatif/<name>/<role>/underflow_max``, ``.../saturation_max``, ``.../clipping_max``,
+    ``.../sqnr_db_min``."""
     from .records import headline_metrics
 
     return headline_metrics([{**r, "role": f"whatif/{r['whatif']}/{r['role']}"} for r in table], per_layer)
