@@ -167,7 +167,7 @@ _VIEWS = (
 
 def held(t: torch.Tensor) -> bool:
     """A parameter (or another leaf that requires grad), or a view / cast of one a few ops away (a linear's
-    ``W^T``, autocast's bf16 copy of W): held by its owner, not an activation."""
+    ``W^T``, a bf16 cast of W): held by its owner, not an activation."""
     if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
         return True
     fn = t.grad_fn
