@@ -37,8 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 STEP = 3
 """The step measured (compilation and the first delayed-scaling updates are behind it)."""
-TOKENS = 4 * 256
-"""Tokens of one step (batch 4 x 256)."""
 
 
 def _with_rule(config_file: str, fmt: str, folder: Path) -> Path:
@@ -75,7 +73,8 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
         *(["--compile.enable"] if compiled else []),
     ]  # fmt: skip
     trainer = worker.build_config(argv).build()
-    step, result = trainer.train_step, {}
+    step, training = trainer.train_step, trainer.config.training
+    result = {"tokens": training.local_batch_size * training.seq_len}
 
     def counted_step(*args, **kwargs):
         if trainer.step != STEP:
@@ -101,8 +100,10 @@ def measure(recipe: str, compiled: bool, keep_merged: bool, dump: str, config_fi
     def counted_saved(t):
         per_token = log_saved(t)
         if t.step == STEP and per_token:
-            tokens = t.config.training.local_batch_size * t.config.training.seq_len
-            result.update(rule_stored=per_token["stored"] * tokens, rule_made=per_token["as_made"] * tokens)
+            result.update(
+                rule_stored=per_token["stored"] * result["tokens"],
+                rule_made=per_token["as_made"] * result["tokens"],
+            )
         return per_token
 
     trainer_module.log_saved_bytes = counted_saved
@@ -155,12 +156,7 @@ def main() -> None:
             sys.executable, __file__, "--one", recipe, mode, "--config-file", str(config),
             *(["--keep-merged-cast"] * a.keep_merged_cast),
         ]  # fmt: skip
-        run = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        )
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             sys.exit(f"{recipe} {mode} failed:\n{run.stderr[-3000:]}")
@@ -171,7 +167,7 @@ def main() -> None:
         rule = "-" if saved is None else f"layers.* {saved}"
         print(
             f"| {recipe} | {mode} | {rule} | {r['distinct'] / 1e6:.1f} | {r['total'] / 1e6:.1f} | "
-            f"{stored / 1e6:.1f} | {made / 1e6:.1f} | {held / 1e6:.1f} | {held / TOKENS:,.0f} | {top} |",
+            f"{stored / 1e6:.1f} | {made / 1e6:.1f} | {held / 1e6:.1f} | {held / r['tokens']:,.0f} | {top} |",
             flush=True,
         )
 

@@ -218,11 +218,6 @@ class LayerShape:
     token is routed to (``top_k``) of an expert weight (the report's FLOP shares)."""
 
     @property
-    def macs_per_token(self) -> int:
-        """Multiply-adds of its forward GEMM per token (each of the three GEMMs does as many)."""
-        return self.in_features * self.out_features * self.copies
-
-    @property
     def grouped(self) -> bool:
         """An MoE expert weight (a grouped GEMM per expert): torchao's grouped recipes apply, not its linears'."""
         return self.kind == "experts"

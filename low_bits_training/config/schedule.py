@@ -165,7 +165,7 @@ def resolve_schedule(
 
 
 def check_switchable(schedule: Schedule, fixed: dict[str, str]) -> None:
-    """Layers whose plan changes during the run must be targets that can switch plans (our QuantLinear, expert weights, attention products).
+    """Layers whose plan changes during the run must be targets that can switch plans (``TargetKind.switchable``).
 
     Args:
         schedule: the resolved schedule.

@@ -4,7 +4,8 @@ The resolved ``config.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
   change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: linear layers,
-  MoE expert weights and attention products) gets its plan for the new phase (the same ``LinearPlan`` objects each time).
+  MoE expert weights, attention products) gets its plan for the new phase (the same ``LinearPlan`` objects
+  each time).
   A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
   QuantLinear (``titan.plan.quantize``), so parameters and state_dict keys never change.
 - ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when

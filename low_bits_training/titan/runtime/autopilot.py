@@ -35,6 +35,7 @@ from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig, 
 from low_bits_training.config.runfolder import read_jsonl
 from low_bits_training.nn import ROLE_NAMES
 from low_bits_training.numerics import NonFinite
+from low_bits_training.titan.plan.targets import TARGETS
 from low_bits_training.titan.platform.ranks import is_rank0
 
 PROMOTIONS = "autopilot/promotions"
@@ -147,7 +148,7 @@ class Autopilot:
         watched = sum(not layer.plan.is_high_precision for layer in self.layers.values())
         logger.info(
             f"autopilot: ladder {' -> '.join(cfg.ladder)}; watches {watched} quantized targets "
-            f"(of {len(self.layers)} that can switch plans: linear layers, MoE expert weights, attention products)"
+            f"(of {len(self.layers)} that can switch plans: {', '.join(k.name for k in TARGETS if k.switchable)})"
         )
 
     def stats_step(self, step: int) -> bool:
@@ -290,9 +291,9 @@ class Autopilot:
 
     def _failing(self, row: dict) -> list[tuple[str, float]]:
         cfg, out = self.cfg, []
-        sat, under, sqnr = (float(row[k]) for k in ("clipping", "underflow", "sqnr_db"))
-        if cfg.saturation and sat > cfg.saturation:
-            out.append(("saturation", sat))
+        clipped, under, sqnr = (float(row[k]) for k in ("clipping", "underflow", "sqnr_db"))
+        if cfg.saturation and clipped > cfg.saturation:
+            out.append(("saturation", clipped))
         if cfg.underflow and under > cfg.underflow:
             out.append(("underflow", under))
         if cfg.sqnr_db and not math.isnan(sqnr) and sqnr < cfg.sqnr_db:
