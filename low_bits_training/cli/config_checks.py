@@ -247,6 +247,21 @@ def check_compile(config: Any, hw: Hardware) -> Check:
     return Check("compile", "OK", "on" if on else "off")
 
 
+def check_cuda_graphs(config: Any, hw: Hardware, config_file: str | None, args: list[str]) -> Check:
+    """The CUDA-graph policy the run gets on ``hw`` (``titan/runtime/graphs.py``: on, or off and why)."""
+    from low_bits_training.config.argv import flag_names
+    from low_bits_training.titan.launch.configure import read_toml
+    from low_bits_training.titan.runtime.graphs import graph_policy
+
+    toml = read_toml(config_file).get("training", {}) if config_file else {}
+    by_user = bool(toml.get("disable_cuda_graphs")) or "training.disable_cuda_graphs" in flag_names(args)
+    return Check(
+        "CUDA graphs",
+        "OK",
+        graph_policy(config, hw.kind == "cuda", by_user and config.training.disable_cuda_graphs),
+    )
+
+
 def check_dataset(config: Any, env: dict[str, str]) -> Check:
     """Local dataset paths exist; hub datasets need network (a FAIL when HF_HUB_OFFLINE=1)."""
     dl = config.dataloader
@@ -371,6 +386,7 @@ def config_checks(
     checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]
     checks += check_autopilot(config, hw)
     checks.append(check_compile(config, hw))
+    checks.append(check_cuda_graphs(config, hw, config_file, args))
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     budget, why = state_budget(config, env)
     checks.append(check_state_bytes(budget, why))

@@ -447,3 +447,20 @@ def test_autopilot_row_names_its_ladder_triggers_and_the_layers_it_watches(clean
     assert "autopilot" not in by_name(doctor.run_checks(str(DEBUG), [], {"NGPU": "1"}))  # off: no row
     moe = by_name(doctor.run_checks(str(DEBUG.parent / "debug_moe.toml"), on, {"NGPU": "1"}))
     assert moe["autopilot"].detail.endswith("watches 12 quantized targets (12 experts)")  # 4 layers x w1-w3
+
+
+@pytest.mark.parametrize(
+    "hardware, args, detail",
+    [
+        ("sm90", ["--quantize.autopilot.enable"],
+         "off: [quantize.autopilot] switches plans and redoes steps mid-run"),
+        ("sm100", ["--quantize.recipe", "nvfp4"],
+         "on: torchtitan captures each microbatch's forward + backward once and replays it"),
+        ("sm90", ["--quantize.recipe", "nvfp4", "--training.disable_cuda_graphs"],
+         "off: training.disable_cuda_graphs = true"),
+        ("cpu", [], "off: no GPU (a CPU run; --hardware sm90 judges a GPU's)"),
+    ],
+)  # fmt: skip
+def test_cuda_graph_row_says_what_the_run_gets_on_that_gpu(clean_env, hardware, args, detail):
+    rows = by_name(doctor.run_checks(str(DEBUG), args, {"NGPU": "1"}, hw=doctor.hardware(hardware)))
+    assert (rows["CUDA graphs"].status, rows["CUDA graphs"].detail) == ("OK", detail)

@@ -196,6 +196,8 @@ def _resolved(config_file, *flags):
          ["[quantize.comm] low-bit collectives keep their rounding keys and byte counts on the host"]),
         (CONFIGS / "debug_moe.toml", (),
          ["emulated MoE experts (the grouped GEMM reads its group offsets on the host)"]),
+        (CONFIGS / "recipes" / "debug_nvfp4.toml", ("--quantize.autopilot.enable",),
+         ["[quantize.autopilot] switches plans and redoes steps mid-run"]),
         (CONFIGS / "recipes" / "debug_fp8_rowwise.toml", ("--numerics.nonfinite", "skip"),
          ["numerics.nonfinite = 'skip' drops gradients the graph keeps"]),
     ],

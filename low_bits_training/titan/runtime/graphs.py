@@ -13,6 +13,9 @@ What a run may turn on that is not capturable, each a reason ``graph_blockers`` 
 - statistics steps and what-if (``[numerics] stats_freq`` / ``whatif``): the probes record what the
   process-wide mode says, read when the graph is captured, so a replay would never switch it;
 - ``[[quantize.phases]]``: the plan (which casts run) changes between phases;
+- ``[quantize.autopilot]``: it switches a role's plan mid-run (a replay would keep the captured casts), its
+  triggers read statistics a replay never records, and a step it redoes after a NaN would replay the same
+  graph until ``max_redos`` runs out;
 - ``numerics.nonfinite = "skip"``: drops a step by setting ``p.grad = None``; a graph keeps static grads;
 - ``[quantize.comm]`` low-bit collectives: their stochastic-rounding keys and byte counters are host state;
 - torchao's FSDP fp8 scale precompute: assigns new tensors after every optimizer step;
@@ -45,6 +48,7 @@ def graph_blockers(config: Any) -> list[str]:
         (config.parallelism.pipeline_parallel_degree > 1, "pipeline parallelism (torchtitan captures no PP schedule)"),
         (num.stats_freq > 0 or bool(num.whatif), "[numerics] statistics steps switch what the layers record"),
         (bool(quant.phases), "[[quantize.phases]] change the plan mid-run"),
+        (quant.autopilot.enable, "[quantize.autopilot] switches plans and redoes steps mid-run"),
         (num.nonfinite == "skip", "numerics.nonfinite = 'skip' drops gradients the graph keeps"),
         (
             any(wire_spec(getattr(quant.comm, c), c) is not None for c in ("all_gather", "reduce_scatter")),
@@ -83,3 +87,21 @@ def apply_graph_policy(config: Any, on_cpu: bool) -> str | None:
     line = f"{GRAPHS_OFF}: {'; '.join(reasons)}"
     logger.info(line)
     return line
+
+
+def graph_policy(config: Any, gpu: bool, set_by_user: bool) -> str:
+    """What a run gets on a GPU (``lbt-doctor --hardware``): ``on: ...`` or ``off: <why>``.
+
+    Args:
+        config: the resolved config, as ``graph_blockers`` takes it.
+        gpu: judged on a CUDA GPU (else: off, a CPU run).
+        set_by_user: the TOML or the command line set ``training.disable_cuda_graphs`` to true.
+    """
+    if not gpu:
+        return "off: no GPU (a CPU run; --hardware sm90 judges a GPU's)"
+    if set_by_user:
+        return "off: training.disable_cuda_graphs = true"
+    reasons = graph_blockers(config)
+    if reasons:
+        return f"off: {'; '.join(reasons)}"
+    return "on: torchtitan captures each microbatch's forward + backward once and replays it"
