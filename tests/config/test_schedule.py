@@ -202,9 +202,16 @@ def test_compiled_runs_round_as_eager_when_a_target_is_emulated():
     # The config module's own patch, not pytest's monkeypatch: from pytest 9.2 monkeypatch undoes a setting it
     # cannot find in the module's __dict__ with delattr, which hides the setting from every later compile
     # in the process ("emulate_precision_casts does not exist": CI of stop 34).
-    with inductor.patch(emulate_precision_casts=False):
+    switches = ("emulate_precision_casts", "eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+    def now():
+        numerics = inductor.eager_numerics
+        return (inductor.emulate_precision_casts, numerics.division_rounding, numerics.disable_ftz)
+
+    with inductor.patch(dict.fromkeys(switches, False)):
         assert not round_as_eager(resolve_schedule(QuantizeConfig(recipe="bf16", skip=[]), LAYERS, 100))
-        assert inductor.emulate_precision_casts is False
+        assert now() == (False, False, False)
         late = QuantizeConfig(recipe="bf16", skip=[], phases=[Phase(start=0.5, recipe="mxfp8")])
         assert round_as_eager(resolve_schedule(late, LAYERS, 100))  # emulated in a later phase only
-        assert inductor.emulate_precision_casts is True
+        # eager's casts on a GPU too: correctly rounded fp32 divides, subnormals kept (Triton's defaults
+        # are an approximate divide and flush-to-zero)
+        assert now() == (True, True, True)

@@ -107,3 +107,12 @@ def test_hooks_wrap_the_upstream_methods():
     with pytest.raises(RuntimeError, match="one line: truncated"):
         c._load(99)
     assert calls == [("saved", 4), ("before", -1), ("after", True), ("before", 99)]
+
+
+def test_inductor_as_eager_names_inductors_own_switches():
+    import torch._inductor.config as inductor
+
+    assert compat.UPSTREAM["inductor_as_eager"].target == "torch._inductor.config:_config"
+    with inductor.patch(dict.fromkeys(compat.INDUCTOR_AS_EAGER, False)):
+        assert compat.inductor_as_eager() == ()  # torch 2.14.1 has all three
+        assert all(getattr(inductor, name) is True for name in compat.INDUCTOR_AS_EAGER)

@@ -30,6 +30,7 @@ from low_bits_training.config.schedule import PhasePlan, Schedule
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLE_NAMES, LinearPlan, ProbeMode, probe
 from low_bits_training.nn.state import QuantState
+from low_bits_training.titan.platform import compat
 
 _BLOCK = re.compile(r"^(layers\.\d+)\.")
 
@@ -204,7 +205,8 @@ def round_as_eager(schedule: Schedule) -> bool:
     ``emulate_precision_casts_on_saved_tensors``): activation checkpointing, which recomputes instead of
     saving, then changed the forward's numbers (fp8_delayed, selective AC vs none, compiled through the
     launcher: 8.20734 vs 8.20692 at step 1; with it both give 8.207263). torchtitan's Float8 rowwise
-    converter sets the same switch.
+    converter sets the same switch. On a GPU, Triton's approximate fp32 divide and its flush of subnormals
+    would also break the casts' bit-faithfulness: ``compat.inductor_as_eager`` turns all three off.
     """
     quantized = schedule.quantized()
     emulated = any(
@@ -213,7 +215,5 @@ def round_as_eager(schedule: Schedule) -> bool:
         for f in quantized
     )
     if emulated:
-        import torch._inductor.config as inductor
-
-        inductor.emulate_precision_casts = True
+        compat.inductor_as_eager()
     return emulated

@@ -99,6 +99,12 @@ UPSTREAM: dict[str, Upstream] = {
         "whether torchao's compiled MXFP8 dim-1 cast has a CUDA kernel (config/backends.py, which cannot "
         "import this module, calls it directly: mxfp8_cuda_cast_built)",
     ),
+    "inductor_as_eager": Upstream(
+        "torch._inductor.config:_config",
+        0,
+        "",  # settings, not code: the test checks each name of INDUCTOR_AS_EAGER is one of its keys
+        "inductor's switches that make compiled casts round, divide and keep subnormals as eager does",
+    ),
     "float8_grouped_experts": Upstream(
         "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls",
         179,
@@ -376,6 +382,34 @@ def fsdp_sharded_local(fsdp_param: Any) -> Any:
     """A parameter's local shard tensor (``FSDPParam._sharded_local_tensor``): torchao's Float8 weight
     wrapper carries ``fsdp_pre_all_gather`` there."""
     return fsdp_param._sharded_local_tensor
+
+
+# --- torch._inductor.config -----------------------------------------------------------------------------------
+
+INDUCTOR_AS_EAGER = (
+    "emulate_precision_casts",
+    "eager_numerics.division_rounding",
+    "eager_numerics.disable_ftz",
+)
+"""Inductor's switches (all off by default) that keep a compiled emulation bit-faithful to eager on a GPU:
+round low-precision intermediates where eager does; lower fp32 ``x / y`` to a correctly rounded divide
+(Triton's default ``div.full.f32`` is approximate, so ``x / scale`` with a scale that is not a power of two
+could land on another grid point); keep fp32 subnormals (Triton flushes them to zero by default)."""
+
+
+def inductor_as_eager() -> tuple[str, ...]:
+    """Turn on ``INDUCTOR_AS_EAGER`` (process-wide; read at each compile).
+
+    Returns:
+        The switches this torch does not have (older torch: the check of the GPU runs it on torch 2.11 too).
+    """
+    import torch._inductor.config as inductor
+
+    missing = tuple(name for name in INDUCTOR_AS_EAGER if name not in inductor._config)
+    for name in INDUCTOR_AS_EAGER:
+        if name not in missing:
+            setattr(inductor, name, True)
+    return missing
 
 
 # --- torchao.float8._inductor_patch ---------------------------------------------------------------------------
