@@ -372,9 +372,15 @@ def _recipe_check(config: Any, hw: Hardware, recipe: str) -> Check:
 
 
 def config_checks(
-    config_file: str | None, args: list[str], env: dict[str, str], extra_recipes: list[str], hw: Hardware
+    config_file: str | None,
+    args: list[str],
+    env: dict[str, str],
+    extra_recipes: list[str],
+    hw: Hardware,
+    more: tuple = (),
 ) -> tuple[list[Check], bool]:
-    """All checks that need the config, judged on hardware ``hw``.
+    """All checks that need the config, judged on hardware ``hw``; ``more``: functions
+    ``(config, hw) -> list[Check]`` of the callers' own (lbt-doctor's speed row), after the compile row.
 
     Returns:
         The checks and whether the config asks for W&B.
@@ -387,6 +393,7 @@ def config_checks(
     checks += check_autopilot(config, hw)
     checks.append(check_compile(config, hw))
     checks.append(check_cuda_graphs(config, hw, config_file, args))
+    checks += [c for f in more for c in f(config, hw)]
     checks += [_recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     budget, why = state_budget(config, env)
     checks.append(check_state_bytes(budget, why))

@@ -75,10 +75,12 @@ def run_checks(
         The checks.
     """
     from low_bits_training.cli.config_checks import config_checks
+    from low_bits_training.cli.speed import check_speed
 
     checks = [*check_versions(), check_cuda(), check_nccl(), check_gpu_count(env)]
+    hw = hw or detect_hardware()
     more, wandb_asked = config_checks(
-        config_file or default_config_file(env), args, dict(env), recipes or [], hw or detect_hardware()
+        config_file or default_config_file(env), args, dict(env), recipes or [], hw, (check_speed,)
     )
     return [*checks, check_wandb(env, wandb_asked), *more]
 

@@ -144,11 +144,36 @@ def emulated_share(pred: Prediction, plans: dict) -> float:
     return emulated / quantized if quantized else 0.0
 
 
-def predict_run(config, spec: GpuSpec, recipe: str | None, dp: int) -> tuple[Prediction, dict]:
-    """The prediction of ``config``'s step on ``spec`` (with ``recipe`` in place of its own, if given)."""
+def predict_run(
+    config, spec: GpuSpec, recipe: str | None, dp: int, as_run: bool = False
+) -> tuple[Prediction, dict]:
+    """The prediction of ``config``'s step on ``spec`` (with ``recipe`` in place of its own, if given;
+    ``as_run``: emulated GEMMs as this package runs them, ``speed.predict``)."""
     quantize = dataclasses.replace(config.quantize, recipe=recipe) if recipe else None
     plans, shapes = resolved(config, spec.hardware(), quantize)
-    return predict(run_targets(config, plans, shapes, dp), spec), plans
+    return predict(run_targets(config, plans, shapes, dp), spec, as_run=as_run), plans
+
+
+def as_run_line(config, spec: GpuSpec, recipe: str | None = None, dp: int = 1) -> tuple[str, float, float]:
+    """What this package runs of ``config``'s plan on ``spec`` (lbt-speed, lbt-doctor's "speed" row).
+
+    Returns:
+        One line (the share of quantized GEMM FLOPs emulated, those in fp32, the predicted step against
+        bf16's beside the kernels' figure), the predicted speedup as run, and the emulated share.
+    """
+    kernels, plans = predict_run(config, spec, recipe, dp)
+    ours = predict_run(config, spec, recipe, dp, as_run=True)[0]
+    share = emulated_share(kernels, plans)
+    if not share:
+        line = f"this package on {spec.name}: no quantized GEMM emulated; step {kernels.speedup:.2f}x bf16's"
+        return line, kernels.speedup, 0.0
+    fp32 = ours.dtype_share().get("fp32", 0.0)
+    where = f", {fp32:.0%} of the GEMM FLOPs in fp32 on CUDA cores" if fp32 else ""
+    line = (
+        f"this package on {spec.name}: {share:.0%} of the quantized GEMM FLOPs emulated{where}: predicted "
+        f"step {ours.speedup:.2f}x bf16's (the kernels' figure: {kernels.speedup:.2f}x)"
+    )
+    return line, ours.speedup, share
 
 
 def report_run(ns, rest: list[str]) -> ExitCode:
@@ -162,13 +187,44 @@ def report_run(ns, rest: list[str]) -> ExitCode:
         f"{ns.config_file}: recipe {recipe}, {config.training.local_batch_size} x {config.training.seq_len} tokens a GPU"
     )
     for name in ns.gpu:
-        pred, plans = predict_run(config, gpu(name), ns.recipe, ns.dp)
+        pred, _ = predict_run(config, gpu(name), ns.recipe, ns.dp)
         print("\n" + summary(pred))
-        print(f"  this package on {name}: {emulated_share(pred, plans):.0%} of the quantized GEMM FLOPs emulated "
-              "(slower than the kernels predicted here)")  # fmt: skip
+        print("  " + as_run_line(config, gpu(name), ns.recipe, ns.dp)[0])
         if ns.layers:
             print("\n" + layer_table(pred))
     return ExitCode.OK
+
+
+def spec_for(hw) -> GpuSpec | None:
+    """The speed model's GPU for ``hw`` (``config.backends.Hardware``): this machine's GPU when it has
+    that capability, else the part that defines it (SM90: H100, SM100: B200); None on a CPU or another
+    capability."""
+    import torch
+
+    from low_bits_training.speed.gpus import gpu_for_device
+
+    if hw.kind != "cuda":
+        return None
+    if torch.cuda.is_available() and tuple(torch.cuda.get_device_capability(0)) == hw.capability:
+        here = gpu_for_device(torch.cuda.get_device_name(0))
+        if here is not None:
+            return here
+    return {(9, 0): GPUS["H100"], (10, 0): GPUS["B200"]}.get(hw.capability)
+
+
+def check_speed(config, hw) -> list:
+    """lbt-doctor's "speed" row on a GPU (none on a CPU): ``as_run_line``; a WARN where emulated GEMMs make
+    the step predicted slower than bf16's."""
+    from low_bits_training.cli.checks import Check
+
+    spec = spec_for(hw)
+    if spec is None:
+        return []
+    line, speedup, emulated = as_run_line(config, spec)
+    if speedup >= 1.0 or not emulated:
+        return [Check("speed", "OK", line)]
+    fix = "lbt-speed --layers shows which GEMMs; a recipe this GPU has kernels for runs faster"
+    return [Check("speed", "WARN", line, fix)]
 
 
 def _preset_targets(config, recipe: str | None, dp: int, cache: dict) -> list[GemmTarget]:

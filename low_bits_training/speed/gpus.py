@@ -49,10 +49,13 @@ class GpuSpec:
     """HBM bandwidth, TB/s."""
     source: str = ""
     """Where the figures come from (short; the URLs are in docs/speed_model.md)."""
+    fp32: float = 0.0
+    """Non-tensor-core fp32 TFLOP/s: where an emulated GEMM whose operands are not bf16 numbers runs (torch
+    multiplies fp32 on the CUDA cores unless TF32 is allowed, and it is not by default)."""
 
     def peak(self, dtype: Dtype) -> float:
-        """Dense peak in FLOP/s of ``dtype`` (0.0: no tensor-core path)."""
-        return self.peaks.get(dtype, 0.0) * 1e12
+        """Dense peak in FLOP/s of ``dtype`` (0.0: no tensor-core path; "fp32": the CUDA cores')."""
+        return (self.fp32 if dtype == "fp32" else self.peaks.get(dtype, 0.0)) * 1e12
 
     def runs(self, dtype: Dtype, family: str) -> bool:
         """Whether a ``dtype`` GEMM with scales of ``family`` runs natively here."""
@@ -63,27 +66,28 @@ class GpuSpec:
         return Hardware("cuda", self.capability, torchao)
 
 
-def _hopper(name: str, bf16: float, hbm: float, source: str) -> GpuSpec:
+def _hopper(name: str, bf16: float, hbm: float, fp32: float, source: str) -> GpuSpec:
     # Hopper: fp8 and int8 at twice the bf16 rate; no fp6 / fp4 tensor cores.
-    return GpuSpec(name, "sm90", (9, 0), {"bf16": bf16, "fp8": 2 * bf16, "int8": 2 * bf16}, hbm, source)
+    peaks = {"bf16": bf16, "fp8": 2 * bf16, "int8": 2 * bf16}
+    return GpuSpec(name, "sm90", (9, 0), peaks, hbm, source, fp32)
 
 
-def _blackwell(name: str, bf16: float, fp4: float, int8: float, source: str) -> GpuSpec:
+def _blackwell(name: str, bf16: float, fp4: float, int8: float, fp32: float, source: str) -> GpuSpec:
     # Blackwell: fp8 and fp6 at twice the bf16 rate; HBM3e 8 TB/s on every part listed.
     peaks = {"bf16": bf16, "fp8": 2 * bf16, "fp6": 2 * bf16, "fp4": fp4, "int8": int8}
-    return GpuSpec(name, "sm100", (10, 0), peaks, 8.0, source)
+    return GpuSpec(name, "sm100", (10, 0), peaks, 8.0, source, fp32)
 
 
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        _hopper("H100", 989.4, 3.35, "NVIDIA H100 SXM datasheet"),
-        _hopper("H200", 989.4, 4.8, "NVIDIA H200 SXM datasheet"),
-        _hopper("H200-NVL", 835.5, 4.8, "NVIDIA H200 NVL datasheet (PCIe card, 600 W)"),
-        _blackwell("B200", 2250.0, 9000.0, 4500.0, "NVIDIA HGX B200 (8-GPU board figures / 8)"),
-        _blackwell("GB200", 2500.0, 10000.0, 5000.0, "NVIDIA GB200 NVL72 (72-GPU rack figures / 72)"),
-        _blackwell("B300", 2250.0, 13500.0, 150.0, "NVIDIA HGX B300 (8-GPU board figures / 8)"),
-        _blackwell("GB300", 2500.0, 15000.0, 165.0, "NVIDIA GB300 NVL72 (72-GPU rack figures / 72)"),
+        _hopper("H100", 989.4, 3.35, 67.0, "NVIDIA H100 SXM datasheet"),
+        _hopper("H200", 989.4, 4.8, 67.0, "NVIDIA H200 SXM datasheet"),
+        _hopper("H200-NVL", 835.5, 4.8, 60.0, "NVIDIA H200 NVL datasheet (PCIe card, 600 W)"),
+        _blackwell("B200", 2250.0, 9000.0, 4500.0, 75.0, "NVIDIA HGX B200 (8-GPU board figures / 8)"),
+        _blackwell("GB200", 2500.0, 10000.0, 5000.0, 80.0, "NVIDIA GB200 NVL72 (72-GPU rack figures / 72)"),
+        _blackwell("B300", 2250.0, 13500.0, 150.0, 75.0, "NVIDIA HGX B300 (8-GPU board figures / 8)"),
+        _blackwell("GB300", 2500.0, 15000.0, 165.0, 80.0, "NVIDIA GB300 NVL72 (72-GPU rack figures / 72)"),
     )
 }
 """Every GPU the model knows, by name (``lbt-speed --gpu``)."""

@@ -9,9 +9,11 @@ takes ``flops / (efficiency * peak[dtype]) + io_bytes / bandwidth + overhead``. 
     T      = G + C + s * T_bf16        G, C: the plan's GEMMs and casts
     speedup = T_bf16 / T               ceiling = T_bf16 / (G + s * T_bf16)   (casts free)
 
-The model predicts what kernels that compute the plan would take (torchao's, Transformer Engine's), not
-this package's emulation. See docs/speed_model.md for the parameters and the published figures they are
-held against.
+By default the model predicts what kernels that compute the plan would take (torchao's, Transformer
+Engine's). ``predict(..., as_run=True)`` predicts what this package runs instead: a GEMM whose resolved
+backend is an emulation (``config.backends.gemm_backend``: ``emulate``, ``torchao_emulated``) multiplies
+fake-quantized operands in bf16 or fp32 (``emulated_gemm_dtype``), whatever kernel the GPU has. See
+docs/speed_model.md for the parameters and the published figures they are held against.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from low_bits_training.formats import QuantSpec
+from low_bits_training.nn.functional import exact_in_bf16
 from low_bits_training.nn.roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan
 
 from .casts import HIGH_BYTES, ONCHIP, elem_bytes, tensor_cast
@@ -43,6 +48,8 @@ BLOCK_FAMILIES: dict[tuple[int, str], str] = {
 }
 """(block or tile side, scale format) -> the family of scaled GEMM that consumes it (``gpus.SCALED_FAMILIES``)."""
 OPERAND_GEMM_OUTPUT = {"forward": "grad_output", "dgrad": "input", "wgrad": "weight"}
+EMULATED_BACKENDS = ("emulate", "torchao_emulated")
+"""GEMM backends (``config.backends.gemm_backend``) that emulate the plan instead of running a kernel for it."""
 """The tensor each GEMM writes: y has grad_output's shape, dx input's, dW weight's."""
 
 
@@ -128,18 +135,34 @@ def gemm_dtype(a: QuantSpec | None, b: QuantSpec | None, gpu: GpuSpec) -> str:
     return dtype if gpu.runs(ca, family) and gpu.runs(cb, family) else "bf16"
 
 
+def emulated_gemm_dtype(a: QuantSpec | None, b: QuantSpec | None, backend: str) -> str:
+    """The dtype an emulated GEMM multiplies in on a GPU (bf16 mixed precision).
+
+    Ours (``emulate``, ``nn.functional``): bf16 where both operands' GEMM parts are bf16 numbers
+    (``nn.functional.exact_in_bf16``: mxfp8, nvfp4, fp8 per tensor or row), else fp32 (deepseek_fp8's
+    exact fp32 block scales): CUDA cores, since torch leaves TF32 off. torchao's emulated mode
+    (``torchao_emulated``) dequantizes to fp32 and multiplies there (torchao/float8/float8_ops.py).
+    """
+    if backend == "torchao_emulated":
+        return "fp32"
+    exact = exact_in_bf16(a, torch.bfloat16) and exact_in_bf16(b, torch.bfloat16)
+    return "bf16" if exact else "fp32"
+
+
 def operands(gemm: str) -> tuple[str, str]:
     """The two operand tensors of ``gemm`` (``nn.roles.ROLES`` order)."""
     return tuple(r.operand for r in ROLES if r.gemm == gemm)
 
 
 def gemm_io_bytes(target: GemmTarget, gemm: str, dtype: str) -> float:
-    """HBM bytes one run of ``gemm`` reads (its two operands) and writes (its bf16 output)."""
+    """HBM bytes one run of ``gemm`` reads (its two operands) and writes (its bf16 output; an fp32 GEMM
+    reads fp32 operands)."""
     specs = dict(zip(ROLE_NAMES, target.plan.specs, strict=True))
     total = target.elems(OPERAND_GEMM_OUTPUT[gemm]) * HIGH_BYTES
+    wide = {"bf16": HIGH_BYTES, "fp32": 4.0}
     for role in (r for r in ROLES if r.gemm == gemm):
         spec = specs[role.name]
-        width = elem_bytes(spec) if dtype != "bf16" and spec is not None else HIGH_BYTES
+        width = wide.get(dtype, HIGH_BYTES) if dtype in wide or spec is None else elem_bytes(spec)
         total += target.elems(role.operand) * width
     return total
 
@@ -153,8 +176,10 @@ def gemm_seconds(flops: float, io_bytes: float, dtype: str, gpu: GpuSpec, params
 
 
 __all__ = [
+    "EMULATED_BACKENDS",
     "GEMMS",
     "GemmTarget",
+    "emulated_gemm_dtype",
     "gemm_dtype",
     "gemm_io_bytes",
     "gemm_seconds",

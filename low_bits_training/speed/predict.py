@@ -8,7 +8,15 @@ from low_bits_training.nn.roles import GEMMS, ROLE_NAMES
 
 from .casts import tensor_cast
 from .gpus import GpuSpec
-from .model import GemmTarget, gemm_dtype, gemm_io_bytes, gemm_seconds, operands
+from .model import (
+    EMULATED_BACKENDS,
+    GemmTarget,
+    emulated_gemm_dtype,
+    gemm_dtype,
+    gemm_io_bytes,
+    gemm_seconds,
+    operands,
+)
 from .params import PARAMS, SpeedParams
 
 TENSORS = ("input", "weight", "grad_output")
@@ -51,6 +59,8 @@ class Prediction:
     gpu: str
     rows: tuple[TargetRow, ...]
     params: SpeedParams
+    as_run: bool = False
+    """Emulated GEMMs as this package runs them (``predict``), not as a kernel would."""
 
     @property
     def bf16_gemm_seconds(self) -> float:
@@ -106,14 +116,26 @@ class Prediction:
         return {d: f / total for d, f in sorted(flops.items())}
 
 
-def predict_target(target: GemmTarget, gpu: GpuSpec, params: SpeedParams = PARAMS) -> TargetRow:
-    """The GEMMs and casts of one target on ``gpu``."""
+def run_dtype(target: GemmTarget, gemm: str, gpu: GpuSpec, as_run: bool) -> str:
+    """The dtype ``gemm`` of ``target`` runs in on ``gpu``: the kernel's (``gemm_dtype``), or with
+    ``as_run`` and an emulated backend the emulation's (``emulated_gemm_dtype``)."""
+    specs = dict(zip(ROLE_NAMES, target.plan.specs, strict=True))
+    a, b = (specs[f"{gemm}.{op}"] for op in operands(gemm))
+    backend = target.plan.backend(gemm)
+    if as_run and (a is not None or b is not None) and backend in EMULATED_BACKENDS:
+        return emulated_gemm_dtype(a, b, backend)
+    return gemm_dtype(a, b, gpu)
+
+
+def predict_target(
+    target: GemmTarget, gpu: GpuSpec, params: SpeedParams = PARAMS, as_run: bool = False
+) -> TargetRow:
+    """The GEMMs and casts of one target on ``gpu`` (``as_run``: see ``predict``)."""
     specs = dict(zip(ROLE_NAMES, target.plan.specs, strict=True))
     rows, lowp = [], {}
     for gemm in GEMMS:
-        a, b = (specs[f"{gemm}.{op}"] for op in operands(gemm))
-        dtype = gemm_dtype(a, b, gpu)
-        lowp[gemm] = dtype != "bf16"
+        dtype = run_dtype(target, gemm, gpu, as_run)
+        lowp[gemm] = dtype not in ("bf16", "fp32")  # else fake-quantized: the cast writes bf16 values
         times, flops = target.repeats(gemm), target.flops(gemm)
         q = gemm_seconds(flops, gemm_io_bytes(target, gemm, dtype), dtype, gpu, params)
         hp = gemm_seconds(flops, gemm_io_bytes(target, gemm, "bf16"), "bf16", gpu, params)
@@ -132,7 +154,9 @@ def predict_target(target: GemmTarget, gpu: GpuSpec, params: SpeedParams = PARAM
     return TargetRow(target, tuple(rows), cast_bytes, seconds)
 
 
-def predict(targets: list[GemmTarget], gpu: GpuSpec, params: SpeedParams = PARAMS) -> Prediction:
+def predict(
+    targets: list[GemmTarget], gpu: GpuSpec, params: SpeedParams = PARAMS, as_run: bool = False
+) -> Prediction:
     """The step of ``targets`` (every GEMM target of a model, per GPU) on ``gpu``.
 
     Args:
@@ -140,6 +164,9 @@ def predict(targets: list[GemmTarget], gpu: GpuSpec, params: SpeedParams = PARAM
             dimensions, ``lbt-speed`` from a run config's resolved plan).
         gpu: the GPU (``speed.gpus.GPUS``).
         params: the efficiency parameters (default: the documented ``PARAMS``).
+        as_run: what this package runs: GEMMs whose plan resolved to an emulated backend on that GPU
+            (``LinearPlan.backends``) are fake-quantized and multiplied in bf16 or fp32
+            (``model.emulated_gemm_dtype``) instead of at the kernel's rate (default: kernels).
 
     Returns:
         The prediction (per-target rows, the step's times, speedup and ceiling).
@@ -149,4 +176,5 @@ def predict(targets: list[GemmTarget], gpu: GpuSpec, params: SpeedParams = PARAM
     """
     if not targets:
         raise ValueError("predict: no GEMM targets (the model has no linear layer the plan covers)")
-    return Prediction(gpu.name, tuple(predict_target(t, gpu, params) for t in targets), params)
+    rows = tuple(predict_target(t, gpu, params, as_run) for t in targets)
+    return Prediction(gpu.name, rows, params, as_run)

@@ -118,6 +118,7 @@ def test_doctor_on_debug_config(clean_env, capsys):
         "config": "OK",
         "backends": "OK",  # the debug model is bf16: every linear high precision
         "compile": "OK",
+        "CUDA graphs": "OK",  # off on a CPU (no "speed" row there)
         "recipe fp8_rowwise": "WARN",  # CPU: emulated
         "recipe mxfp8": "WARN",
         "tokenizer": "OK",
@@ -464,3 +465,21 @@ def test_autopilot_row_names_its_ladder_triggers_and_the_layers_it_watches(clean
 def test_cuda_graph_row_says_what_the_run_gets_on_that_gpu(clean_env, hardware, args, detail):
     rows = by_name(doctor.run_checks(str(DEBUG), args, {"NGPU": "1"}, hw=doctor.hardware(hardware)))
     assert (rows["CUDA graphs"].status, rows["CUDA graphs"].detail) == ("OK", detail)
+
+
+def test_speed_row_says_what_this_package_runs_on_that_gpu(clean_env):
+    deepseek = ["--quantize.recipe", "deepseek_fp8"]
+    row = by_name(doctor.run_checks(str(DEBUG), deepseek, {"NGPU": "1"}, hw=doctor.hardware("sm90")))["speed"]
+    assert (row.status, row.detail) == (
+        "WARN",
+        "this package on H100: 100% of the quantized GEMM FLOPs emulated, 84% of the GEMM FLOPs in fp32 on "
+        "CUDA cores: predicted step 0.31x bf16's (the kernels' figure: 0.62x)",
+    )  # the debug model's GEMMs are small: kernel overheads weigh; on Llama 3 8B 0.12x vs 1.22x (docs)
+    bf16 = by_name(doctor.run_checks(str(DEBUG), [], {"NGPU": "1"}, hw=doctor.hardware("sm100")))["speed"]
+    assert (bf16.status, bf16.detail) == (
+        "OK",
+        "this package on B200: no quantized GEMM emulated; step 1.00x bf16's",
+    )
+    assert "speed" not in by_name(
+        doctor.run_checks(str(DEBUG), deepseek, {"NGPU": "1"}, hw=doctor.hardware("cpu"))
+    )

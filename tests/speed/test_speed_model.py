@@ -178,3 +178,37 @@ def test_bad_parameters_and_no_targets_are_refused():
         SpeedParams(gemm_efficiency=0)
     with pytest.raises(ValueError, match="no GEMM targets"):
         predict([], gpu("H100"))
+
+
+# --- what this package runs (issue 37 items 5 and 10) -----------------------------------------------------
+
+
+def test_emulated_gemms_multiply_in_bf16_where_exact_else_fp32():
+    from low_bits_training.speed.model import emulated_gemm_dtype
+
+    mx, ds = recipe("mxfp8"), recipe("deepseek_fp8")
+    assert emulated_gemm_dtype(mx.spec("forward.input"), mx.spec("forward.weight"), "emulate") == "bf16"
+    nv = recipe("nvfp4")  # e2m1 x ue4m3 blocks: 2 + 4 significant bits; the fp32 tensor scale goes outside
+    assert emulated_gemm_dtype(nv.spec("forward.input"), nv.spec("forward.weight"), "emulate") == "bf16"
+    # exact fp32 128-block scales: an e4m3 value times such a scale is no bf16 number
+    assert emulated_gemm_dtype(ds.spec("forward.input"), ds.spec("forward.weight"), "emulate") == "fp32"
+    assert emulated_gemm_dtype(mx.spec("forward.input"), None, "torchao_emulated") == "fp32"
+
+
+def test_as_run_prices_an_emulated_gemm_at_its_emulation_dtype_not_the_kernels():
+    m = k = n = 4096
+    ds = GemmTarget("w", k, n, m, recipe("deepseek_fp8"))  # backends: ("emulate",) * 3
+    h100 = gpu("H100")
+    kernels, ours = predict([ds], h100, IDEAL), predict([ds], h100, IDEAL, as_run=True)
+    assert [g.dtype for g in kernels.rows[0].gemms] == ["fp8"] * 3  # DeepGEMM's 128-blocks run on SM90
+    assert [g.dtype for g in ours.rows[0].gemms] == ["fp32"] * 3
+    flops, io = 2 * m * k * n, (m * k + n * k) * 4 + m * n * 2  # forward: x, W read in fp32, y in bf16
+    assert ours.rows[0].gemms[0].seconds == pytest.approx(flops / 67e12 + io / 3.35e12, rel=1e-12)
+    assert ours.speedup < 0.1 < 1.0 < kernels.speedup
+    # an emulated plan the GPU has no kernel for is priced the same either way (mxfp8 on an H100)
+    mx = GemmTarget("w", k, n, m, recipe("mxfp8"))
+    assert predict([mx], h100, as_run=True).speedup == predict([mx], h100).speedup
+    # a plan resolved to torchao's kernel is a kernel's figure in both
+    fp8 = dataclasses.replace(recipe("fp8_rowwise"), backends=("torchao",) * 3)
+    torchao = GemmTarget("w", k, n, m, fp8)
+    assert predict([torchao], h100, as_run=True).speedup == predict([torchao], h100).speedup > 1.0
