@@ -4,7 +4,10 @@
     python benchmarks/bench_gpu.py --tokens 8192 --recipes fp8_rowwise,mxfp8 --modes compiled
     python benchmarks/bench_gpu.py --train                          # + a few training steps of Llama 3.2 1B
 
-First the checks of benchmarks/gpu_checks.py (``--no-checks`` skips them; a failed one makes the exit code 1).
+First the GPU check's backend, CUDA-graph, tensor-core and NaN-guard items (``CHECKS``, from the one home of the
+GPU checks, ``low_bits_training/speed/gpu_check``; ``--no-checks`` skips them; a failed one makes the exit code 1).
+Compiled rows are compiled through ``gpu_check.compiling.compile_variants``: 5 recipes x 4 shapes of one module
+class are past dynamo's recompile limit, and without it the later "compiled" rows would silently run eager.
 
 One line and exit code 2 on a machine without CUDA. torchao or torchtitan missing (e.g. a plain torch 2.11 box):
 the torchao rows say "unavailable" and the bf16 / emulation rows still run; ``--train`` needs the full stack.
@@ -32,6 +35,8 @@ SHAPES = {  # Llama 3 8B (dim 4096, 32 heads, 8 KV heads of 128, FFN 14336): (in
     "feed_forward.w2": (14336, 4096),
 }
 RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_hp_wgrad", "mxfp8", "nvfp4")
+CHECKS = ("backends per recipe", "CUDA graph replay", "fp32-accumulate GEMM", "NaN guard")
+"""The GPU check's items run first (``scripts/gpu_check.sh --items``)."""
 
 
 def refuse_without_cuda() -> None:
@@ -119,7 +124,9 @@ def measure(module, x, iters: int, mode: str) -> float | str | None:
     if module is None:
         return None
     try:
-        m = torch.compile(module) if mode == "compiled" else module
+        from low_bits_training.speed.gpu_check.compiling import compile_variants
+
+        m = compile_variants([module])[0] if mode == "compiled" else module  # the limit counts every variant
         return time_fwd_bwd(m, x, iters)
     except Exception as e:  # reported in the table (and the exit code), not hidden
         return f"failed: {str(e).splitlines()[0][:80]}"
@@ -182,17 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", action="store_true", help="also train Llama 3.2 1B a few steps per recipe")
     p.add_argument("--train-steps", type=int, default=12)
     p.add_argument("--json", default="", help="also write the results here")
-    p.add_argument("--no-checks", action="store_true", help="skip benchmarks/gpu_checks.py (run first)")
+    p.add_argument("--no-checks", action="store_true", help="skip the GPU check's items run first (CHECKS)")
     args = p.parse_args(argv)
     refuse_without_cuda()
     args.recipes, args.modes = args.recipes.split(","), args.modes.split(",")
     sys.path.insert(0, str(REPO))
     checks = 0
     if not args.no_checks:  # issue 29's checks first: a timing on a GPU that fails them means little
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        import gpu_checks
-
-        checks = gpu_checks.main()
+        checks = run_checks()
         print()
     name, cap = torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)
     print(
@@ -210,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         r for r in results["linears"] if any(str(r.get(m, "")).startswith("failed") for m in args.modes)
     ]
     return 1 if failed or checks else 0
+
+
+def run_checks() -> int:
+    """The GPU check's ``CHECKS`` items (levels 1-2) on this GPU; their exit code."""
+    from low_bits_training.speed.gpu_check import runner
+
+    with tempfile.TemporaryDirectory() as out:
+        return runner.main(["--levels", "1,2", "--items", ",".join(CHECKS), "--out", out])
 
 
 def _version(pkg: str) -> str:

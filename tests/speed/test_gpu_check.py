@@ -1,67 +1,270 @@
-"""``scripts/gpu_check.sh`` on this GPU-less machine: the dry run lists every level and item it would run and
-why none can run here (JSON); the level-1 and level-2 checks themselves, run CPU against CPU."""
+"""``scripts/gpu_check.sh`` on this GPU-less machine (low_bits_training/speed/gpu_check): the dry run with a
+wheelhouse, the budget, the refusal of a driver without CUDA, level 1 on the CPU build, the mxfp8 rows of a
+simulated H100, and the recompile limit of compiled variants."""
 
+import importlib.util
 import json
 import subprocess
 
 import pytest
+import torch
 
 from helpers import REPO
+from low_bits_training.config import backends
 from low_bits_training.formats import FORMATS
 from low_bits_training.nn.recipes import RECIPES
-from low_bits_training.speed import gpu_checks
+from low_bits_training.speed.gpu_check import block, catalog, compiling, parity, runner
+from low_bits_training.titan.platform import devices
+
+SCRIPT = str(REPO / "scripts" / "gpu_check.sh")
+
+
+def _wheelhouse(tmp_path):
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for name in (
+        "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl",
+        "torchao-0.17.0-py3-none-any.whl",
+        "lbt_not_installed_pkg-1.2-py3-none-any.whl",
+        "numpy-0.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+    ):
+        (folder / name).write_bytes(b"")  # fmt: skip
+    return folder
 
 
 def test_dry_run_lists_every_level_and_item(tmp_path):
+    folder = _wheelhouse(tmp_path)
     p = subprocess.run(
-        [str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [SCRIPT, "--dry-run", "--wheelhouse", str(folder)], capture_output=True, text=True, timeout=600
     )
     assert p.returncode == 0, p.stderr[-2000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["dry_run"] is True and report["results"] == []
-    levels = {lv["level"]: lv for lv in report["levels"]}
-    assert sorted(levels) == [0, 1, 2, 3]
-    for lv in levels.values():  # no GPU here: nothing runs, and each level says why
-        assert lv["available"] is False and "no CUDA device visible" in lv["why"]
-    one = levels[1]["items"]
-    assert one[0] == "import survey"
-    assert {f"cast {f} nearest" for f in FORMATS} <= set(one)
-    assert {f"QuantLinear cuda == cpu: {r}" for r in RECIPES if r != "bf16"} <= set(one)
-    assert {"_scaled_mm vs emulation: fp8_tensorwise", "_scaled_mm vs emulation: fp8_rowwise"} <= set(one)
-    assert "speed mxfp8 8192x4096x14336" in one
-    assert "torchao vs emulation: mxfp8" in levels[2]["items"]
-    assert levels[3]["items"][0].startswith("train debug model: 6 compiled steps, fp8_rowwise")
-    assert "level 1 (torch only): cannot run here (no CUDA device visible); " in p.stdout
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("budget: 480 s (--budget-s); the items below sum to 480 s")
+    assert "level 1 (torch only): 325 s; needs torch (installed)" in lines
+    assert "level 3 (torchtitan): 90 s; needs torchao, torchtitan, datasets (installed)" in lines
+    assert "  - block step time vs bf16: 195 s" in lines
+    assert "  - _scaled_mm bit-exact: 10 s, runs on the CPU build too" in lines
+    assert any(ln.startswith("without torchtitan (it needs torch >= 2.14.1") for ln in lines)
+    assert (
+        f"--wheelhouse {folder}: pip install --no-index --find-links {folder} --no-deps --target" in p.stdout
+    )
+    assert "2 of 4 wheels" in p.stdout
+    assert "  install lbt_not_installed_pkg 1.2" in lines
+    assert (
+        "  install torchao 0.17.0 (this Python has 0.18.0)" in lines
+    )  # pinned: another version is installed
+    assert "  keep torchao 0.18.0 (this Python has 0.18.0)" in lines
+    assert any(ln.startswith("  keep numpy 0.1 (this Python has ") for ln in lines)  # never shadowed
+
+
+def test_dry_run_lines_name_each_levels_budget_and_needs():
+    lines = catalog.dry_run_lines(False, None, 100)
+    assert lines[0].startswith("budget: 100 s (--budget-s)")
+    assert [ln for ln in lines if ln.startswith("level ")] == [
+        "level 0 (GPU-marked tests): 30 s; needs pytest (installed)",
+        "level 1 (torch only): 325 s; needs torch (installed)",
+        "level 2 (torchao): 35 s; needs torchao (installed)",
+        "level 3 (torchtitan): 90 s; needs torchao, torchtitan, datasets (installed)",
+    ]
+    assert lines[-1] == "no --wheelhouse: levels 2-3 use what this Python has installed"
+    assert sum(lv.budget_s for lv in catalog.LEVELS) == catalog.BUDGET_S == 480
+
+
+def test_the_wheel_list_pins_the_stack_and_leaves_torch_out():
+    wheels = dict(catalog.wanted_wheels())
+    assert wheels["torchao"] == "0.18.0" and wheels["torchtitan"] == "0.3.0"
+    assert not {"torch", "triton", "datasets", "pyarrow"} & set(wheels)
+    assert not any(w.startswith("nvidia") for w in wheels)
 
 
 def test_bad_levels_are_one_line_and_exit_code_2(tmp_path):
-    cmd = [str(REPO / "scripts" / "gpu_check.sh"), "--levels", "1,7", "--out", str(tmp_path)]
+    cmd = [SCRIPT, "--levels", "1,7", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("gpu_check: config error: --levels = '1,7': expected")
 
 
+def _entry():
+    spec = importlib.util.spec_from_file_location("gpu_check_entry", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_driver_without_cuda_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
+    driver = "NVRM version: NVIDIA UNIX x86_64 Kernel Module 550.54"
+    monkeypatch.setattr(devices, "nvidia_driver", lambda: driver)
+    assert _entry().main(["--levels", "1", "--out", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == f"gpu_check: {devices.cuda_refusal(driver, False, torch.version.cuda)}"
+    assert line.startswith(f"gpu_check: this machine has an NVIDIA driver ({driver}) but torch sees no GPU")
+    assert not (tmp_path / "gpu_check.json").exists()
+    assert _entry().main(["--dry-run"]) == 0  # the listing still works, and says what a run would do
+    assert (
+        capsys.readouterr().out.splitlines()[-1]
+        == f"a run here would stop: {devices.cuda_refusal(driver, False, torch.version.cuda)}"
+    )
+
+
+def test_the_graphs_off_line_is_the_workers():
+    from low_bits_training.speed.gpu_check import processes
+    from low_bits_training.titan.runtime.graphs import GRAPHS_OFF
+
+    assert processes.GRAPHS_OFF == GRAPHS_OFF
+
+
+def test_a_small_budget_skips_what_does_not_fit(tmp_path, capsys):
+    items = "backends per recipe,import survey,_scaled_mm bit-exact"
+    assert runner.main(["--levels", "1", "--budget-s", "7", "--items", items, "--out", str(tmp_path)]) == 0
+    rows = runner.load_json(tmp_path)["results"]
+    assert [r["item"] for r in rows if r["status"] == "info"] == ["backends per recipe"] * len(
+        catalog.RECIPES
+    )
+    skipped = {r["item"]: r["detail"] for r in rows if r["status"] == "skip"}
+    assert skipped.keys() == {"import survey", "_scaled_mm bit-exact"}
+    assert (
+        skipped["import survey"].startswith("skip: needs ~30 s, ")
+        and "s of --budget-s left" in skipped["import survey"]
+    )
+    assert "level 1 (torch only): " in capsys.readouterr().out
+    assert runner.main(["--levels", "1", "--budget-s", "3", "--items", items, "--out", str(tmp_path)]) == 0
+    assert {r["status"] for r in runner.load_json(tmp_path)["results"]} == {"skip"}
+
+
+def test_level_1_runs_on_the_cpu_build(tmp_path):
+    """The same command a GPU node runs: CUDA items skipped with the reason, the CPU-capable ones run."""
+    p = subprocess.run(
+        [SCRIPT, "--levels", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    rows = runner.load_json(tmp_path)["results"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["item"], []).append(r)
+    for name in (
+        "casts cuda == cpu",
+        "QuantLinear cuda == cpu",
+        "CUDA graph replay == eager",
+        "block step time vs bf16",
+    ):
+        assert [(r["status"], r["detail"]) for r in by[name]] == [("skip", "skip: no CUDA device visible")]
+    assert [r["recipe"] for r in by["backends per recipe"]] == list(catalog.RECIPES)
+    assert by["backends per recipe"][3]["linear"] == ["emulate"] * 3  # mxfp8 on the CPU
+    assert [(r["case"], r["status"]) for r in by["_scaled_mm bit-exact"]] == [
+        ("tensorwise", "ok"),
+        ("rowwise", "ok"),
+    ]
+    for r in by["_scaled_mm vs emulation"]:
+        assert r["status"] == "ok" and 0 < r["max_rel_diff"] <= parity.BF16_ULP, r
+    (acc,) = by["fp32-accumulate GEMM vs float64"]
+    assert acc["status"] == "ok" and 0 < acc["max_error"] <= 2 * acc["fp32_error"] + 1e-6
+    assert by["import survey"][0]["status"] == "ok"
+    assert "| fp8_rowwise | linear emulate, experts emulate" in (tmp_path / "gpu_check.md").read_text()
+    assert "level 1 (torch only): " in p.stdout
+
+
+def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
+    monkeypatch.setattr(backends, "detect_hardware", lambda: backends.Hardware("cuda", (9, 0)))
+    ran = []
+    monkeypatch.setattr(
+        parity, "torchao_vs_emulation", lambda r, d: ran.append(r) or parity.row("ok", recipe=r)
+    )
+    rows = {r["recipe"]: r for r in parity.torchao_rows(runner.Context("cuda", REPO, 0.0))}
+    assert rows["mxfp8"]["status"] == "skip"
+    assert rows["mxfp8"]["detail"] == "skip: MXFP8Linear kernels need CUDA SM100+, this is CUDA SM90"
+    assert ran == ["fp8_tensorwise", "fp8_rowwise"]  # Float8Linear's kernels run on SM90
+    monkeypatch.setattr(backends, "detect_hardware", lambda: backends.Hardware("cuda", (10, 0)))
+    ran.clear()
+    parity.torchao_rows(runner.Context("cuda", REPO, 0.0))
+    assert ran == ["fp8_tensorwise", "fp8_rowwise", "mxfp8"]
+
+
+class _Scaled(torch.nn.Module):
+    """A variant per ``k``: dynamo guards on the Python int, as on a QuantLinear's plan."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+
+def test_compile_variants_compiles_past_the_recompile_limit(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's default; restored afterwards
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
+    monkeypatch.setattr(compiling, "_VARIANTS", [0])
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fns = compiling.compile_variants([_Scaled(k) for k in range(12)], backend=counting)
+    x = torch.ones(3)
+    assert [f(x)[0].item() for f in fns] == list(range(12))
+    assert len(graphs) == 12  # each variant compiled; past 8 dynamo would have run the rest eagerly
+    assert torch._dynamo.config.recompile_limit == 2 * 12 + 8
+    torch._dynamo.reset()
+
+
+def test_interleaving_rotates_the_order_of_recipes():
+    calls = []
+
+    def fn(name):
+        def run(x):
+            calls.append(name)
+            return x.sum() * 1.0
+
+        return run
+
+    x, dy = torch.ones(2, requires_grad=True), torch.tensor(1.0)
+    out = block.interleaved({n: fn(n) for n in "abc"}, x, dy, repeats=3, iters=1)
+    assert calls == list("abcbcacab") and all(len(v) == 3 for v in out.values())
+
+
+def test_block_ratios_on_a_small_cpu_block():
+    ctx = runner.Context("cpu", REPO, float("inf"))
+    s = block.BlockShape(dim=128, n_heads=4, n_kv_heads=2, ffn=256, tokens=64)
+    res = block.measure(ctx, recipes=("bf16", "fp8_rowwise"), s=s, modes=("eager",), repeats=2, iters=1)
+    assert res["bf16"]["backends"] == "high" and res["fp8_rowwise"]["backends"] == "emulate"
+    assert res["bf16"]["eager"]["x_bf16"] == 1.0
+    assert 0 < res["fp8_rowwise"]["eager"]["x_bf16"] < 1  # the emulation adds casts to the same GEMMs
+    assert block.predicted("fp8_rowwise", block.LLAMA3_8B_BLOCK, "NVIDIA H100 80GB HBM3") > 1
+    assert block.predicted("fp8_rowwise", block.LLAMA3_8B_BLOCK, "Some Other GPU") is None
+
+
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "bf16"])
 def test_recipe_parity_check_runs_cpu_against_cpu(recipe):
-    row = gpu_checks.recipe_parity(recipe, ("cpu", "cpu"))
-    assert row["status"] == "ok" and row["max_rel_diff"] == 0.0, row
+    r = parity.recipe_parity(recipe, ("cpu", "cpu"))
+    assert r["status"] == "ok" and r["max_rel_diff"] == 0.0, r
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_cast_parity_check_runs_cpu_against_cpu(fmt):
-    for rounding in gpu_checks.CAST_ROUNDINGS:
-        assert gpu_checks.cast_parity(fmt, rounding, ("cpu", "cpu"))["status"] == "ok"
+    for rounding in parity.CAST_ROUNDINGS:
+        assert parity.cast_parity(fmt, rounding, ("cpu", "cpu"))["status"] == "ok"
 
 
-def test_scaled_mm_and_torchao_checks_run_on_cpu():
-    for recipe in gpu_checks.REAL_RECIPES:  # torch._scaled_mm runs on CPU too
-        assert gpu_checks.real_vs_emulation(recipe, "cpu")["status"] == "ok"
-    row = gpu_checks.torchao_vs_emulation("fp8_rowwise", "cpu", emulated=True)
-    # bf16 inputs: our rowwise GEMM is a bf16 GEMM, torchao's emulation an fp32 one (docs/precision_plan.md,
-    # "torchao against our emulation"): equal where oneDNN sums in the same order (a CPU without bf16 dot
-    # products), one bf16 ulp apart on a few elements where it does not (AMD EPYC with AVX512-BF16, 2026-11-26:
-    # 1 of 98,304 output elements, 0.0030 of the largest value)
-    assert row["status"] == "ok" and row["max_rel_diff"] <= 2.0**-7
+def test_scaled_mm_is_bit_exact_on_exact_sums_and_the_check_sees_a_difference(monkeypatch):
+    assert parity.scaled_mm_exact("cpu", rowwise=True, fast_accum=False)["status"] == "ok"
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * (1 + 2.0**-20))
+    bad = parity.scaled_mm_exact("cpu", rowwise=False, fast_accum=False)
+    assert bad["status"] == "fail" and bad["detail"].startswith("differs: max rel")
+
+
+def test_the_report_fills_the_recipe_table(tmp_path):
+    rows = [
+        {
+            "item": "x",
+            "status": "ok",
+            "recipe": "mxfp8",
+            "summary": {"eager x bf16": "0.50", "CUDA graph": "ok"},
+        }
+    ]
+    text = (json.dumps(rows), runner.report.write(tmp_path, {"torch": "t"}, 10, {1: 2.0}, rows))[1]
+    assert "| mxfp8 | - | 0.50 | - | - | - | ok |" in text
+    assert "- level 1 (torch only): 2.0 s" in text
+    assert runner.load_json(tmp_path)["results"] == rows
