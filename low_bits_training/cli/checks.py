@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from low_bits_training.config.secrets import wandb_credentials
+from low_bits_training.titan.platform.devices import gpu_count_refusal
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED = {"torch": "2.14.1", "torchtitan": "0.3.0", "torchao": "0.18.0"}
@@ -118,7 +119,8 @@ def check_nccl() -> Check:
 
 
 def check_gpu_count(env: Mapping[str, str]) -> Check:
-    """NGPU (processes per node) against the GPUs torch sees and CUDA_VISIBLE_DEVICES."""
+    """NGPU (processes per node) against the GPUs torch sees and CUDA_VISIBLE_DEVICES (more than visible: the
+    launcher's own refusal, ``devices.gpu_count_refusal``)."""
     import torch
 
     ngpu, visible = env.get("NGPU"), env.get("CUDA_VISIBLE_DEVICES")
@@ -131,13 +133,9 @@ def check_gpu_count(env: Mapping[str, str]) -> Check:
         return Check("gpu count", "OK", f"no GPU; NGPU={n} -> {n} CPU process(es) on gloo ({shown})")
     if ngpu is None:
         return Check("gpu count", "OK", f"{have} GPU(s); NGPU unset -> {have} processes ({shown})")
-    if int(ngpu) > have:
-        return Check(
-            "gpu count",
-            "FAIL",
-            f"NGPU={ngpu} but {have} GPU(s) visible ({shown})",
-            f"export NGPU={have} or widen CUDA_VISIBLE_DEVICES",
-        )
+    too_many = gpu_count_refusal(int(ngpu), have, visible)  # the launcher's refusal: one home
+    if too_many:
+        return Check("gpu count", "FAIL", too_many, f"export NGPU={have} or widen CUDA_VISIBLE_DEVICES")
     if int(ngpu) < have:
         return Check(
             "gpu count",

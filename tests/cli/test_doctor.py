@@ -13,6 +13,7 @@ from helpers import write_toml
 from low_bits_training.cli import checks, config_checks, doctor
 from low_bits_training.cli.checks import Check
 from low_bits_training.config.exits import ExitCode
+from low_bits_training.titan.platform.devices import gpu_count_refusal
 
 SECRET = "doctor-secret-0123456789"
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +64,7 @@ def test_gpu_count_against_ngpu(monkeypatch, clean_env):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     too_many = checks.check_gpu_count({"NGPU": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert too_many.status == "FAIL" and "CUDA_VISIBLE_DEVICES='0,1,2,3'" in too_many.detail
+    assert too_many.detail == gpu_count_refusal(8, 4, "0,1,2,3")  # the launcher's refusal, one home
     assert checks.check_gpu_count({"NGPU": "2"}).status == "WARN"
     assert checks.check_gpu_count({"NGPU": "4"}).status == "OK"
 

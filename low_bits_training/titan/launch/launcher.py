@@ -8,8 +8,9 @@ through it. In this process, before any rank starts:
 
 - the config is resolved exactly as each rank will resolve it (``worker.build_config``) and checked as a whole
   (``validate.check_run``: value ranges, parallel degrees against NGPU x nodes, the model's own checks, the
-  checkpoint it would resume from), and several ranks without a visible accelerator are refused where GPUs
-  were meant (``accelerator_refusal``). Bad input is one line, exit code 2 (4 for a checkpoint), no
+  checkpoint it would resume from); a machine with an NVIDIA driver on which torch sees no GPU, several CPU
+  ranks of a large model (``accelerator_refusal``) and more processes per node than visible GPUs
+  (``check_gpu_count``) are refused. Bad input is one line, exit code 2 (4 for a checkpoint), no
   traceback, and nothing is written to the run folder;
 - then torchrun runs in this same process (no second interpreter start). Without an accelerator and
   without torch.compile each rank is a fork of this process, whose imports are done (``start_method``: a
@@ -17,9 +18,11 @@ through it. In this process, before any rank starts:
   a fresh interpreter, as torchrun starts it. A rank that ends on purpose
   (``config/exits.py``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
   torchrun's error file; it is printed here once, and this process exits with that rank's code. A crash keeps
-  its traceback (from the rank) and ends with exit code 1.
+  its traceback (from the rank, or from its error file where LOG_RANK hides that rank: ``crash_report``) and
+  ends with exit code 1.
 
-``--check-only`` stops after the check (``submit.sh`` checks a job this way before it submits it). A run
+``--check-only`` stops after the check (``submit.sh`` checks a job this way before it submits it, on a login
+node: this machine's accelerator is not judged, the ranks will run elsewhere). A run
 whose checkpoint already reached ``training.steps`` says so in one line and ends with 0 before torchrun
 starts. Under pipeline parallelism the console shows the rank that has the loss (``show_the_loss``).
 """
@@ -30,23 +33,26 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import sys
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
-from low_bits_training.config.exits import ENDINGS, SIGNAL_BASE, ExitCode, classify
+from low_bits_training.config.exits import SIGNAL_BASE, ExitCode, classify
+from low_bits_training.titan.launch.failures import HoldBack, chosen_failure, crash_report, crashed, shown
 from low_bits_training.titan.launch.worker import UNDER_LAUNCHER
 from low_bits_training.titan.platform import noise
+from low_bits_training.titan.platform.devices import (
+    ALLOW_CPU_RANKS,
+    cuda_refusal,
+    gpu_count_refusal,
+    nvidia_driver,
+)
 
 WORKER = "low_bits_training.titan.launch.worker"
 CPU_RANKS_PARAMS = 1_000_000_000
 """The largest model (parameters) started as several CPU ranks without a word: the debug models (6M) and
 small research models train that way (README); an 8B model on 8 gloo ranks is a GPU node gone wrong."""
-ALLOW_CPU_RANKS = "LBT_ALLOW_CPU_RANKS"
-"""Set to 1 to start several CPU ranks where ``accelerator_refusal`` would refuse them."""
 CHECK_ONLY = "--check-only"
 """Launcher option (before ``--``): check the config and exit (0 or the check's code); torchrun never starts."""
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -92,22 +98,14 @@ def quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def nvidia_driver() -> str | None:
-    """The NVIDIA kernel driver this machine has (its version line, or "nvidia-smi" when only that is found),
-    or None: a sign the user meant GPUs."""
-    version = Path("/proc/driver/nvidia/version")
-    if version.is_file():
-        return version.read_text(errors="replace").splitlines()[0].strip()
-    return "nvidia-smi" if shutil.which("nvidia-smi") else None
-
-
 def accelerator_refusal(
     processes: int, driver: str | None, params: int | None, cuda: str | None
 ) -> str | None:
     """Why the launcher refuses to start ``processes`` ranks on a machine where torch sees no accelerator
-    (they would be gloo CPU ranks), or None. GPUs were meant when an NVIDIA driver is installed (torch then
-    cannot use it: most often a driver too old for torch's CUDA build) or the model is larger than
-    ``CPU_RANKS_PARAMS``. One process is never refused (CPU runs of any config stay possible).
+    (they would train on the CPU), or None. A machine with an NVIDIA driver is refused whatever the number
+    of processes (``devices.cuda_refusal``: torch cannot use the driver, most often one too old for torch's
+    CUDA build); without one, several ranks of a model larger than ``CPU_RANKS_PARAMS`` (one process may
+    always train any config on the CPU).
 
     Args:
         processes: NGPU x nodes.
@@ -115,23 +113,15 @@ def accelerator_refusal(
         params: the model's parameter count (None: unknown).
         cuda: the CUDA version torch is built for (``torch.version.cuda``; None: a CPU build).
     """
-    if processes <= 1:
-        return None
-    allow = f"or set {ALLOW_CPU_RANKS}=1 to start {processes} CPU ranks anyway"
     if driver is not None:
-        build = f"a CUDA {cuda} build" if cuda else "a CPU-only build"
-        return (
-            f"NGPU x nodes = {processes}: this machine has an NVIDIA driver ({driver}) but torch sees no GPU "
-            f"(torch is {build}); install a torch build this driver runs (nvidia-smi names its CUDA "
-            f"version), check CUDA_VISIBLE_DEVICES, {allow}"
-        )
-    if params is not None and params > CPU_RANKS_PARAMS:
-        return (
-            f"NGPU x nodes = {processes}: no GPU is visible, so this would train a {params / 1e9:.1f}B-parameter "
-            f"model on {processes} CPU ranks (gloo); run it on a GPU node, use a debug config "
-            f"(train_configs/debug_model.toml), {allow}"
-        )
-    return None
+        return cuda_refusal(driver, False, cuda)
+    if processes <= 1 or params is None or params <= CPU_RANKS_PARAMS:
+        return None
+    return (
+        f"NGPU x nodes = {processes}: no GPU is visible, so this would train a {params / 1e9:.1f}B-parameter "
+        f"model on {processes} CPU ranks (gloo); run it on a GPU node, use a debug config "
+        f"(train_configs/debug_model.toml), or set {ALLOW_CPU_RANKS}=1 to start {processes} CPU ranks anyway"
+    )
 
 
 def check_accelerator(config, processes: int) -> None:
@@ -146,10 +136,31 @@ def check_accelerator(config, processes: int) -> None:
     from low_bits_training.config.tree import ConfigError
     from low_bits_training.titan.platform import cpu
 
-    if processes <= 1 or not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
+    if not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
         return
     driver = nvidia_driver()
-    why = accelerator_refusal(processes, driver, None if driver else model_params(config), torch.version.cuda)
+    params = None if driver or processes <= 1 else model_params(config)
+    why = accelerator_refusal(processes, driver, params, torch.version.cuda)
+    if why:
+        raise ConfigError(why)
+
+
+def check_gpu_count(args) -> None:
+    """``devices.gpu_count_refusal`` for torchrun's processes per node and the GPUs torch sees here
+    (nothing to check without a GPU: the ranks run on the CPU).
+
+    Raises:
+        ConfigError: the refusal, one line.
+    """
+    import torch
+    from torch.distributed.run import determine_local_world_size
+
+    from low_bits_training.config.tree import ConfigError
+
+    if not torch.cuda.is_available():
+        return
+    per_node = determine_local_world_size(args.nproc_per_node)
+    why = gpu_count_refusal(per_node, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if why:
         raise ConfigError(why)
 
@@ -167,8 +178,15 @@ def model_params(config) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def check(training: list[str], processes: int):
+def check(training: list[str], processes: int, here: bool = True):
     """Resolve and check the whole config in this process (see the module docstring).
+
+    Args:
+        training: the training arguments.
+        processes: NGPU x nodes.
+        here: the ranks start on this machine, whose accelerator is judged (``check_accelerator``); False
+            for ``--check-only``, which plans for GPUs elsewhere (``submit.sh`` on a login node without
+            one): everything but this machine is checked.
 
     Returns:
         ``(config, checkpoint path the run resumes from or None)``.
@@ -185,7 +203,8 @@ def check(training: list[str], processes: int):
 
     with quiet():
         config = build_config(training)
-        check_accelerator(config, processes)
+        if here:
+            check_accelerator(config, processes)
         return config, check_run(config, processes)
 
 
@@ -231,33 +250,6 @@ def show_the_loss(args, config, processes: int) -> str | None:
         f"low-bits-training: pipeline parallel: the loss is on rank {loss} (the last stage; the others log "
         f"-1), so the console shows rank(s) {args.local_ranks_filter} (LOG_RANK=0,{loss} shows rank 0 too)"
     )
-
-
-class _HoldBack(logging.Filter):
-    """Keeps torchrun's agent lines about a failed rank ("failed (exitcode: 3)", "closing signal") until we
-    know whether the failure was one of ours (then its one line says it all) or a crash (then they are
-    shown)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if record.levelno >= logging.WARNING and ("exitcode" in msg or "closing signal" in msg):
-            self.held.append(record)
-            return False
-        return True
-
-
-def chosen_failure(failures: dict) -> tuple[ExitCode, str] | None:
-    """The exit code and line of the failure to report: rank 0's if it ended on purpose, else the lowest
-    rank that did (None: no rank ended on purpose, a crash)."""
-    ours = {e.code for e in ENDINGS}
-    for _, failure in sorted(failures.items()):
-        if failure.exitcode in ours:
-            return ExitCode(failure.exitcode), failure.message
-    return None
 
 
 START_METHOD = "LBT_START_METHOD"
@@ -309,7 +301,8 @@ def forked(args) -> None:
 def forked_rank(*argv: str) -> None:
     """One rank in a forked launcher: the worker's ``main`` with its exit code as the process's. Output as
     ``python -u`` gives it, the rank's own threads (``OMP_NUM_THREADS``, as torchrun set it), and a crash's
-    traceback printed to the rank's stderr (the launcher says "see its output above")."""
+    traceback printed to the rank's stderr (torchrun's ``record`` wrapper also writes it to the error file,
+    which the launcher prints where LOG_RANK hides the rank: ``crash_report``)."""
     import traceback
 
     import torch
@@ -337,7 +330,7 @@ def run_torchrun(args, method: str = "spawn") -> int:
     from torch.distributed.run import run
 
     os.environ[UNDER_LAUNCHER] = "1"  # the ranks inherit it: errors go to the error file
-    hold = _HoldBack()
+    hold = HoldBack()
     agent = logging.getLogger(_AGENT_LOGGER)
     agent.addFilter(hold)
     try:
@@ -355,10 +348,10 @@ def run_torchrun(args, method: str = "spawn") -> int:
             print(chosen[1], file=sys.stderr, flush=True)
             return chosen[0]
         for record in hold.held:
+            record.exc_info = record.exc_text = None  # a forked rank's traceback: the rank's own, or below
             agent.handle(record)
-        rank, first = min(e.failures.items())
-        print(f"low-bits-training: rank {rank} failed (exit code {first.exitcode}); see its output above",
-              file=sys.stderr, flush=True)  # fmt: skip
+        rank, failure = crashed(e.failures)
+        print(crash_report(rank, failure, shown(args, failure.local_rank)), file=sys.stderr, flush=True)
         return ExitCode.CRASH
     finally:
         agent.removeFilter(hold)
@@ -372,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     check_only = CHECK_ONLY in options
     args = torchrun_args([o for o in options if o != CHECK_ONLY], training)
     try:
-        config, resume = check(training, world_size(args))
+        if not check_only:
+            check_gpu_count(args)
+        config, resume = check(training, world_size(args), here=not check_only)
         method = start_method(config)
     except Exception as e:
         known = classify(e)  # ConfigError 2, CheckpointError 4

@@ -37,6 +37,39 @@ def cpu_defaults(config) -> None:
     config.training.disable_cuda_graphs = True  # no CUDA graphs on CPU; torchtitan refuses PP without this
 
 
+def load_on_platform(config_file: str | None, rest: list[str], on_cpu: bool):
+    """``configure.load_config`` with this platform's defaults, and CUDA graphs off for pipeline parallelism
+    before torchtitan's own check refuses the two together (``graphs.graphs_off_before_check``).
+
+    tyro runs that check as it reads the command line, before the config is ours to change: on a GPU node a
+    refused read is read again with graphs off, and kept only where the policy turns them off for a pipeline
+    (any other refusal stands: the second read's, else the first's).
+
+    Raises:
+        ConfigError: one line.
+    """
+    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.titan.launch.configure import load_config
+    from low_bits_training.titan.runtime.graphs import graphs_off_before_check
+
+    try:
+        config = load_config(config_file, rest, platform_defaults=cpu_defaults if on_cpu else None)
+    except ConfigError as refused:
+        if on_cpu:
+            raise
+        config = load_config(config_file, rest, platform_defaults=graphs_off)
+        if graphs_off_before_check(config, on_cpu) is None:
+            raise refused from None
+        return config
+    graphs_off_before_check(config, on_cpu)
+    return config
+
+
+def graphs_off(config) -> None:
+    """CUDA graphs off in the base (under the TOML and the command line), for ``load_on_platform``'s second read."""
+    config.training.disable_cuda_graphs = True
+
+
 def build_config(argv: list[str]):
     """Resolve the full config from argv (see ``split_config_file``) and prepare its data.
 
@@ -45,7 +78,6 @@ def build_config(argv: list[str]):
     """
     from low_bits_training.config.tree import ConfigError
     from low_bits_training.titan.launch import datasets
-    from low_bits_training.titan.launch.configure import load_config
     from low_bits_training.titan.plan.targets import apply_run
     from low_bits_training.titan.plan.torchao_backend import guard_torchao_modules
     from low_bits_training.titan.runtime.graphs import apply_graph_policy
@@ -53,7 +85,7 @@ def build_config(argv: list[str]):
 
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
-    config = load_config(config_file, rest, platform_defaults=cpu_defaults if on_cpu else None)
+    config = load_on_platform(config_file, rest, on_cpu)
     try:
         config.__post_init__()  # torchtitan's own cross-field checks, after the TOML was applied
     except ValueError as e:
@@ -148,6 +180,21 @@ def remove_empty_comm_traces(config) -> None:
         os.rmdir(folder)
 
 
+def refuse_this_machine() -> None:
+    """A rank started without the launcher (torchrun directly) is refused where the launcher refuses every
+    run: an NVIDIA driver and no GPU torch can see (``devices.this_machine_refusal``).
+
+    Raises:
+        ConfigError: the refusal, one line.
+    """
+    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.titan.platform.devices import this_machine_refusal
+
+    why = this_machine_refusal()
+    if why:
+        raise ConfigError(why)
+
+
 def main(argv: list[str] | None = None) -> int:
     """One rank: resolve the config, train; a known error is one line and its exit code (``exits.ENDINGS``)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -158,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     init_logger()
     try:
+        refuse_this_machine()
         config = build_config(argv)
         run(config, on_start=lambda: write_run_files(config, argv))
     except Exception as e:
@@ -169,4 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # a crash's traceback also goes to torchrun's error file: the launcher shows it where LOG_RANK hides it
+    sys.exit(record(main)())

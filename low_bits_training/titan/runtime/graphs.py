@@ -20,7 +20,8 @@ What a run may turn on that is not capturable, each a reason ``graph_blockers`` 
 - ``[quantize.comm]`` low-bit collectives: their stochastic-rounding keys and byte counters are host state;
 - torchao's FSDP fp8 scale precompute: assigns new tensors after every optimizer step;
 - emulated MoE experts: the grouped GEMM (``nn.grouped.grouped_mm``) reads the group offsets on the host;
-- pipeline parallelism: torchtitan captures no PP schedule (it refuses the combination).
+- pipeline parallelism: torchtitan captures no PP schedule (its own config check refuses the combination, so
+  this reason is applied before that check: ``graphs_off_before_check``).
 
 The non-finite check of the default ``nonfinite = "warn"`` reads the flags after each microbatch, outside
 the captured call: one device-to-host sync per microbatch (the host waits for the microbatch's kernels
@@ -33,6 +34,8 @@ from typing import Any
 
 GRAPHS_OFF = "CUDA graphs off"
 """How the one log line starts."""
+PIPELINE = "pipeline parallelism (torchtitan captures no PP schedule)"
+"""The reason known before the run is resolved (``graphs_off_before_check``)."""
 
 
 def graph_blockers(config: Any) -> list[str]:
@@ -45,7 +48,7 @@ def graph_blockers(config: Any) -> list[str]:
 
     num, quant = config.numerics, config.quantize
     checks = (
-        (config.parallelism.pipeline_parallel_degree > 1, "pipeline parallelism (torchtitan captures no PP schedule)"),
+        (config.parallelism.pipeline_parallel_degree > 1, PIPELINE),
         (num.stats_freq > 0 or bool(num.whatif), "[numerics] statistics steps switch what the layers record"),
         (bool(quant.phases), "[[quantize.phases]] change the plan mid-run"),
         (quant.autopilot.enable, "[quantize.autopilot] switches plans and redoes steps mid-run"),
@@ -81,6 +84,24 @@ def apply_graph_policy(config: Any, on_cpu: bool) -> str | None:
     reasons = graph_blockers(config)
     if not reasons:
         return None
+    return _turn_off(config, reasons)
+
+
+def graphs_off_before_check(config: Any, on_cpu: bool) -> str | None:
+    """The policy's reason known before the run is resolved, applied before torchtitan's own config check
+    (``Trainer.Config.__post_init__``, which tyro also runs as it reads the command line), which refuses
+    pipeline parallelism while CUDA graphs are on: ``worker.build_config`` calls this first and
+    ``apply_graph_policy`` once the run is resolved.
+
+    Returns:
+        The one line logged (``CUDA graphs off: pipeline parallelism ...``), or None (no pipeline, or a CPU run).
+    """
+    if on_cpu or config.parallelism.pipeline_parallel_degree <= 1:
+        return None
+    return _turn_off(config, [PIPELINE])
+
+
+def _turn_off(config: Any, reasons: list[str]) -> str:
     from torchtitan.tools.logging import logger
 
     config.training.disable_cuda_graphs = True
