@@ -175,6 +175,9 @@ COVERED: dict[str, str] = {
     ),
     "lbt-speed --published": "tests/speed/test_speed_cli.py::test_published_prints_the_comparison",
     "scripts/gpu_check.sh --dry-run": "tests/speed/test_gpu_check.py::test_dry_run_lists_every_level_and_item",
+    "scripts/gpu_check.sh --dry-run --wheelhouse /tmp/wheelhouse": (
+        "tests/speed/test_gpu_check.py::test_dry_run_lists_every_level_and_item (a wheelhouse of its own)"
+    ),
 }
 """Documented command -> the test that runs the same entry point with the same flags."""
 
@@ -210,9 +213,10 @@ NEEDS: dict[str, str] = {
     "lbt-speed --presets --gpu H100 --gpu B200": "minutes: every preset x every recipe (prints the doc's tables)",
     "scripts/gpu_check.sh": "gpu (on a CPU: tests/speed/test_gpu_check.py runs its checks CPU against CPU)",
     "scripts/gpu_check.sh --levels 1 --out /tmp/gc": "gpu",
-    "pip download -d wheels torchao==0.18.0 torchtitan==0.3.0": "network",
-    "scp -r wheels node:": "network: another machine",
-    "pip install --no-index --find-links wheels torchao==0.18.0 torchtitan==0.3.0": "a GPU node's venv",
+    "scripts/build_wheelhouse.sh --python-version 3.12 --dest /tmp/wheelhouse": (
+        "network: pip download from PyPI (run by hand 2026-11-27: 37 wheels, 35 MiB)"
+    ),
+    "scripts/gpu_check.sh --wheelhouse /tmp/wheelhouse": "gpu (a node without network)",
 }
 """Documented command -> what it needs that the test machine lacks."""
 

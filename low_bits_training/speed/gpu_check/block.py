@@ -115,17 +115,27 @@ def interleaved(variants: dict, x, dy, repeats: int, iters: int) -> dict[str, li
     return out
 
 
-def predicted(recipe: str, s: BlockShape, device_name: str | None) -> float | None:
-    """The speed model's step speedup over bf16 of this block on this GPU (None: a GPU the model lacks)."""
+def predicted(recipe: str, s: BlockShape, device_name: str | None, hw=None) -> tuple[float, float] | None:
+    """The speed model's step speedup over bf16 of this block on this GPU: as hardware kernels would run it,
+    and as this package runs it (``predict(as_run=True)``: each linear's backend from ``layer_backends`` on
+    ``hw``, emulated GEMMs at the emulation's dtype). None: a GPU the model does not know."""
+    from low_bits_training.config.backends import layer_backends
     from low_bits_training.speed import predict
     from low_bits_training.speed.gpus import gpu_for_device
-    from low_bits_training.speed.workloads import decoder_targets, llama3, recipe_plans
+    from low_bits_training.speed.workloads import decoder_targets, llama3
 
     spec = gpu_for_device(device_name) if device_name else None
     if spec is None:
         return None
-    model = llama3(s.dim, 1, s.n_heads, s.n_kv_heads, s.ffn, 0)
-    return predict(decoder_targets(model, 1, s.tokens, recipe_plans(recipe)), spec).speedup
+    model, plan = llama3(s.dim, 1, s.n_heads, s.n_kv_heads, s.ffn, 0), LinearPlan.from_recipe(recipe)
+    dims = {name: (k, n) for name, k, n in model.linears}
+    hw = hw or spec.hardware()
+
+    def plan_of(name: str, block: int) -> LinearPlan:
+        return LinearPlan(plan.specs, layer_backends(plan, "auto", hw, *dims[name]))
+
+    targets = decoder_targets(model, 1, s.tokens, plan_of)
+    return predict(targets, spec).speedup, predict(targets, spec, as_run=True).speedup
 
 
 def warm(variants: dict, x, dy, ctx, mode: str) -> tuple[dict, dict[str, str]]:
@@ -175,10 +185,13 @@ def measure(ctx, recipes=RECIPES, s: BlockShape = LLAMA3_8B_BLOCK, modes=("eager
 
 def block_rows(ctx) -> list[dict]:
     """One row per summary recipe: eager and compiled ratio to bf16 (a speedup: > 1 is faster), the model's."""
+    from low_bits_training.config.backends import detect_hardware
+
     name = torch.cuda.get_device_name(0) if ctx.device == "cuda" else None
-    res, out = measure(ctx), []
+    res, out, hw = measure(ctx), [], detect_hardware()
     for recipe, r in res.items():
-        pred = predicted(recipe, LLAMA3_8B_BLOCK, name)
+        pred = predicted(recipe, LLAMA3_8B_BLOCK, name, hw)
+        model = f"kernels {pred[0]:.2f}, as run {pred[1]:.2f}" if pred else "- (GPU not in speed.gpus)"
         cells = {
             m: f"{r[m]['x_bf16']:.2f}" if r[m]["x_bf16"] else r[m]["why"] or "-"
             for m in ("eager", "compiled")
@@ -191,6 +204,8 @@ def block_rows(ctx) -> list[dict]:
         )
         detail = f"{r['backends']}: eager x{cells['eager']}, compiled x{cells['compiled']}, model x{pred or '-'}{note}"
         summary = {"eager x bf16": cells["eager"], "compiled x bf16": cells["compiled"],
-                   "model x bf16": f"{pred:.2f}" if pred else "- (GPU not in speed.gpus)"}  # fmt: skip
-        out.append(row("fail" if bad else "ok", detail, recipe=recipe, predicted=pred, summary=summary, **r))
+                   "model x bf16": model}  # fmt: skip
+        kernels, as_run = pred or (None, None)
+        out.append(row("fail" if bad else "ok", detail, recipe=recipe, predicted_kernels=kernels,
+                       predicted_as_run=as_run, summary=summary, **r))  # fmt: skip
     return out

@@ -144,13 +144,41 @@ def scaled_mm_exact(device: str, rowwise: bool, fast_accum: bool) -> dict:
     ok = bits_equal(got, want)
     case = f"{'rowwise' if rowwise else 'tensorwise'}{', fast accum' if fast_accum else ''}"
     detail = "bit for bit with the float64 product" if ok else f"differs: max rel {rel_diff(got, want):.1e}"
-    return row("ok" if ok else "fail", detail, case=case, exactness="bit-exact")
+    cell = f"GEMM{' (fast accum)' if fast_accum else ''} on exact sums: {'bit-exact' if ok else 'DIFFERS'}"
+    recipe = "fp8_rowwise" if rowwise else "fp8_tensorwise"
+    return row(
+        "ok" if ok else "fail",
+        detail,
+        case=case,
+        recipe=recipe,
+        exactness="bit-exact",
+        summary={"exactness": cell},
+    )
+
+
+def no_scaled_mm(recipe: str) -> dict:
+    """Why ``recipe``'s forward GEMM has no ``torch._scaled_mm`` to compare with (``nn.kernels``)."""
+    from low_bits_training.nn import GEMM_OPERANDS
+    from low_bits_training.nn.kernels import unsupported_reason
+
+    plan, op = LinearPlan.from_recipe(recipe), GEMM_OPERANDS["forward"]
+    why = unsupported_reason(plan.specs[op.a], plan.specs[op.b])
+    return row(
+        "info",
+        f"no _scaled_mm comparison: {why}",
+        recipe=recipe,
+        summary={"exactness": f"_scaled_mm: n/a ({why})"},
+    )
 
 
 def scaled_mm_exact_rows(ctx) -> list[dict]:
-    """The exact ``_scaled_mm`` cases this device runs (fast accumulation: CUDA only)."""
+    """The exact ``_scaled_mm`` cases this device runs (fast accumulation: CUDA only), and why the other
+    summary recipes have none."""
+    from .catalog import RECIPES as SUMMARY
+
     cases = [(False, False), (True, False)] + ([(False, True), (True, True)] if ctx.device == "cuda" else [])
-    return [scaled_mm_exact(ctx.device, r, f) for r, f in cases]
+    others = [no_scaled_mm(r) for r in SUMMARY if r not in ("bf16", *REAL_RECIPES)]
+    return [scaled_mm_exact(ctx.device, r, f) for r, f in cases] + others
 
 
 def real_vs_emulation(recipe: str, device: str) -> dict:
