@@ -7,7 +7,8 @@
 #
 # Environment: CONFIG_FILE (default train_configs/debug_model.toml), NGPU (default: visible GPUs, or 1
 # process on CPU), LOG_RANK (default 0; comma list), PYTHON (interpreter; default: .venv, set up on first use),
-# LBT_SKIP_SETUP=1 (never create the .venv), LBT_START_METHOD (spawn: each rank a fresh interpreter; on CPU without
+# LBT_SKIP_SETUP=1 (never create the .venv), LBT_TORCH=keep (create it around the node's own torch, a build for
+# its driver: scripts/ensure_venv.sh), LBT_START_METHOD (spawn: each rank a fresh interpreter; on CPU without
 # torch.compile the ranks are forks of the launcher by default, which saves the ~8 s of imports per rank).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
