@@ -8,6 +8,7 @@
 # Extra arguments are training overrides (as for run_llama_train.sh). Before anything is written or submitted
 # the launcher checks the job's config here, for NNODES x NGPU processes (low_bits_training.titan.launch.launcher
 # --check-only): bad input is one line and exit code 2 (4 for a checkpoint it could not resume), as on a node.
+# The check judges the config, not this machine (a login node has no GPU): each node's launcher judges its own.
 # Environment:
 #   CONFIG_FILE   TOML (default train_configs/debug_model.toml)
 #   NNODES        nodes (default 1)           NGPU  GPUs (processes) per node (default 1; 8 for the GPU presets)
