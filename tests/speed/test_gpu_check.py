@@ -4,6 +4,7 @@ simulated H100, and the recompile limit of compiled variants."""
 
 import importlib.util
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -99,6 +100,7 @@ def test_a_driver_without_cuda_exits_2_in_one_line(tmp_path, monkeypatch, capsys
     assert line == f"gpu_check: {devices.cuda_refusal(driver, False, torch.version.cuda)}"
     assert line.startswith(f"gpu_check: this machine has an NVIDIA driver ({driver}) but torch sees no GPU")
     assert not (tmp_path / "gpu_check.json").exists()
+    monkeypatch.setattr(runner, "import_failure", lambda code: None)  # no child importing torchao: fast
     assert _entry().main(["--dry-run"]) == 0  # the listing still works, and says what a run would do
     assert (
         capsys.readouterr().out.splitlines()[-1]
@@ -281,3 +283,46 @@ def test_the_report_fills_the_recipe_table(tmp_path):
     assert "| mxfp8 | - | 0.50 | - | - | - | ok |" in text
     assert "- level 1 (torch only): 2.0 s" in text
     assert runner.load_json(tmp_path)["results"] == rows
+
+
+def test_a_level_whose_import_fails_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    """torchtitan 0.3.0 on torch 2.11 is installed but does not import: level 3 says so and runs nothing."""
+    code = "raise ImportError('cannot import name set_timeout from torch.distributed')"
+    monkeypatch.setitem(runner.IMPORTS, 3, code)
+    rows = runner.run_level(catalog.level(3), runner.Context("cuda", tmp_path, float("inf")))
+    why = f"skip: `{code}` fails on torch {torch.__version__}: ImportError: cannot import name set_timeout from torch.distributed"
+    assert rows == [{"item": "level 3", "status": "skip", "detail": why, "level": 3}]
+    monkeypatch.setitem(runner.IMPORTS, 2, "import sys")
+    assert runner.level_refusal(catalog.level(2), runner.Context("cpu", tmp_path, 0.0)) is None
+
+
+def _tiny_wheel(folder, name="lbt_probe_pkg", version="1.0"):
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 7\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def test_the_wheelhouse_installs_what_is_missing_into_a_temporary_folder(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    _tiny_wheel(tmp_path)
+    (tmp_path / "numpy-0.1-py3-none-any.whl").write_bytes(b"")  # installed here: kept, never replaced
+    target = runner.install_wheelhouse(tmp_path)
+    assert sorted(p.name for p in target.iterdir()) == ["lbt_probe_pkg", "lbt_probe_pkg-1.0.dist-info"]
+    assert sys.path[0] == str(target) and runner.os.environ["PYTHONPATH"] == f"{target}:/somewhere"
+    import lbt_probe_pkg
+
+    assert lbt_probe_pkg.VALUE == 7
+    monkeypatch.delitem(sys.modules, "lbt_probe_pkg")
+    shutil.rmtree(target)

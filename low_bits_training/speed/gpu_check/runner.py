@@ -78,32 +78,37 @@ def run_item(item: catalog.Item, ctx: Context) -> list[dict]:
     return [{**base, "seconds": round(took, 2), **r} for r in rows]
 
 
-def run_level(lv: catalog.Level, ctx: Context) -> list[dict]:
-    """Every selected item of ``lv``, or one skip row naming what the level needs and lacks."""
+IMPORTS = {2: "import torchao", 3: "import torchtitan.train, datasets"}
+"""What a level imports, tried in a child first: installed is not importable (torchtitan 0.3.0 calls torch
+>= 2.14.1 APIs; torchao 0.18's kernels are built for torch 2.14.1)."""
+
+
+def level_refusal(lv: catalog.Level, ctx: Context) -> str | None:
+    """Why ``lv`` cannot run here (a package missing, or its import failing), None: it can."""
     gone = catalog.missing(lv)
-    if lv.number == 3 and ctx.env.get("torchtitan") and not gone:
-        gone = _torchtitan_import_failure()
     if gone:
-        why = (
-            "; ".join(gone)
-            if lv.number == 3 and ctx.env.get("torchtitan")
-            else f"{', '.join(gone)} not installed"
-        )
+        return f"{', '.join(gone)} not installed (--wheelhouse DIR: docs/speed_model.md)"
+    runs_here = any(ctx.device == "cuda" or not i.needs_cuda for i in lv.items)
+    return import_failure(IMPORTS[lv.number]) if lv.number in IMPORTS and runs_here else None
+
+
+def import_failure(code: str) -> str | None:
+    """The last line of ``python -c code``'s error on this torch (None: it ran)."""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if p.returncode == 0:
+        return None
+    last = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+    return f"`{code}` fails on torch {environment()['torch']}: {last}"
+
+
+def run_level(lv: catalog.Level, ctx: Context) -> list[dict]:
+    """Every selected item of ``lv``, or one skip row naming what the level lacks."""
+    if why := level_refusal(lv, ctx):
         return [
             {"item": f"level {lv.number}", "status": "skip", "detail": f"skip: {why}", "level": lv.number}
         ]
     chosen = [i for i in lv.items if not ctx.items or any(s in i.name for s in ctx.items)]
     return [{"level": lv.number, **r} for i in chosen for r in run_item(i, ctx)]
-
-
-def _torchtitan_import_failure() -> list[str]:
-    # torchtitan 0.3.0 calls torch >= 2.14.1 APIs: on an older torch it is installed but does not import.
-    code = "import torchtitan.train, datasets"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    if p.returncode == 0:
-        return []
-    last = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
-    return [f"torchtitan does not import on torch {environment()['torch']} ({last})"]
 
 
 def install_wheelhouse(folder: Path) -> Path:
@@ -170,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     wheelhouse, env = Path(ns.wheelhouse) if ns.wheelhouse else None, environment()
     if ns.dry_run:  # a listing: runs anywhere
         print("\n".join(catalog.dry_run_lines(env["cuda"], wheelhouse, ns.budget_s)))
+        if env["torchao"]:  # torchao 0.18 on an older torch may not import: say which
+            print(f"torchao {env['torchao']} here: {import_failure(IMPORTS[2]) or 'imports'}")
         return 0
     if wheelhouse is not None:
         print(f"wheelhouse: installed into {install_wheelhouse(wheelhouse)}", flush=True)
