@@ -9,7 +9,7 @@ import torch
 from low_bits_training.nn import LinearPlan, QuantLinear, rng
 
 from .catalog import RECIPES
-from .parity import row
+from .parity import per_recipe, row
 
 LINEAR = (4096, 14336)
 """(in, out) features the backend rows ask about: Llama 3 8B's FFN up projection."""
@@ -74,7 +74,12 @@ def _zero(layer, x) -> None:
 
 
 def _capture(layer, x, dy) -> tuple[torch.cuda.CUDAGraph, tuple]:
-    """Warm up on a side stream (torch's capture recipe), then capture one step under key 1."""
+    """Warm up on a side stream (torch's capture recipe), then capture one step under key 1 with no
+    gradients held, so the captured backward assigns them (a replay rewrites them, never accumulates).
+
+    Returns:
+        The graph and its static outputs (y, dx, dW), which every replay overwrites.
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -86,17 +91,14 @@ def _capture(layer, x, dy) -> tuple[torch.cuda.CUDAGraph, tuple]:
     with torch.cuda.graph(graph):
         y = layer(x)
         y.backward(dy)
-    return graph, (y, x, layer)
+    return graph, (y, x.grad, layer.weight.grad)
 
 
-def _replay(graph, captured, key: int) -> list[torch.Tensor]:
-    y, x, layer = captured
+def _replay(graph, static: tuple, key: int) -> list[torch.Tensor]:
     rng.set_step_key(key)  # filled in place: the captured graph reads the new key
-    x.grad.zero_()
-    layer.weight.grad.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    return [y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()]
+    return [t.detach().clone() for t in static]
 
 
 def graph_check(recipe: str) -> dict:
@@ -134,4 +136,4 @@ def graph_check(recipe: str) -> dict:
 
 def graph_rows(ctx) -> list[dict]:
     """``graph_check`` for every quantized summary recipe."""
-    return [graph_check(r) for r in RECIPES if r != "bf16"]
+    return per_recipe(graph_check, [r for r in RECIPES if r != "bf16"])

@@ -40,6 +40,18 @@ def row(status: str, detail: str = "", **numbers) -> dict:
     return {"status": status, "detail": detail, **numbers}
 
 
+def per_recipe(check, recipes) -> list[dict]:
+    """``check(recipe)`` for each recipe; an exception is that recipe's failed row, the others still run."""
+    out = []
+    for recipe in recipes:
+        try:
+            out.append(check(recipe))
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            out.append(row("fail", why, recipe=recipe))
+    return out
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN where the other is NaN (payloads aside)."""
     a, b = a.detach().cpu().float(), b.detach().cpu().float()
@@ -114,7 +126,7 @@ def recipe_parity(recipe: str, devices: tuple[str, str] = ("cpu", "cuda")) -> di
 
 def recipe_rows(ctx) -> list[dict]:
     """Every quantized recipe's QuantLinear on CUDA against the CPU."""
-    return [recipe_parity(r) for r in RECIPES if r != "bf16"]
+    return per_recipe(recipe_parity, [r for r in RECIPES if r != "bf16"])
 
 
 def _role_tensors(plan: LinearPlan, lin, x, dy) -> list[tuple[torch.Tensor, QuantSpec]]:
@@ -127,22 +139,33 @@ def _role_tensors(plan: LinearPlan, lin, x, dy) -> list[tuple[torch.Tensor, Quan
     return out
 
 
+def rowwise_out_dtype(device: str) -> torch.dtype:
+    """The output dtype ``torch._scaled_mm`` allows with row scales here: fp32 on the CPU and SM90 (cuBLAS),
+    bf16 elsewhere (ATen's ``_scaled_mm``: "Only bf16 and fp16 high precision output types are supported for
+    row-wise scaling" on SM100 and before SM90)."""
+    if device == "cpu" or torch.cuda.get_device_capability(0) == (9, 0):
+        return torch.float32
+    return torch.bfloat16
+
+
 def scaled_mm_exact(device: str, rowwise: bool, fast_accum: bool) -> dict:
-    """``torch._scaled_mm`` (fp8 e4m3, fp32 output) against the float64 product of the same fp8 values,
-    rounded to fp32: bit for bit, as every partial sum is an exact integer (module doc). Row scales are
-    powers of two, so applying them is exact too."""
+    """``torch._scaled_mm`` (fp8 e4m3) against the float64 product of the same fp8 values, rounded once to
+    the output dtype: bit for bit, as every partial sum is an exact integer (module doc). Row scales are
+    powers of two, so applying them is exact too; a bf16 output (``rowwise_out_dtype``) rounds the exact
+    value once, as the float64 reference does."""
     m, k, n = EXACT_SHAPE
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(-4, 5, s, generator=g).float() for s in ((m, k), (k, n)))
     sa = 2.0 ** torch.randint(-3, 4, (m, 1), generator=g).float() if rowwise else torch.tensor(1.0)
     sb = 2.0 ** torch.randint(-3, 4, (1, n), generator=g).float() if rowwise else torch.tensor(1.0)
-    qa, qb = a.to(device, torch.float8_e4m3fn), b.to(device).t().contiguous().t().to(torch.float8_e4m3fn)
-    got = torch._scaled_mm(
-        qa, qb, sa.to(device), sb.to(device), out_dtype=torch.float32, use_fast_accum=fast_accum
-    )
-    want = ((a.double() @ b.double()) * sa.double() * sb.double()).float()
+    fp8 = torch.float8_e4m3fn
+    qa, qb = a.to(device, fp8), b.to(device, fp8).t().contiguous().t()  # B column-major
+    out = rowwise_out_dtype(device) if rowwise else torch.float32
+    got = torch._scaled_mm(qa, qb, sa.to(device), sb.to(device), out_dtype=out, use_fast_accum=fast_accum)
+    want = ((a.double() @ b.double()) * sa.double() * sb.double()).to(out)
     ok = bits_equal(got, want)
     case = f"{'rowwise' if rowwise else 'tensorwise'}{', fast accum' if fast_accum else ''}"
+    case += "" if out == torch.float32 else f", {str(out)[6:]} output"
     detail = "bit for bit with the float64 product" if ok else f"differs: max rel {rel_diff(got, want):.1e}"
     cell = f"GEMM{' (fast accum)' if fast_accum else ''} on exact sums: {'bit-exact' if ok else 'DIFFERS'}"
     recipe = "fp8_rowwise" if rowwise else "fp8_tensorwise"
@@ -196,8 +219,16 @@ def real_vs_emulation(recipe: str, device: str) -> dict:
 
 
 def real_vs_emulation_rows(ctx) -> list[dict]:
-    """Both recipes ``_scaled_mm`` runs, against the emulation, on this device."""
-    return [real_vs_emulation(r, ctx.device) for r in REAL_RECIPES]
+    """Both recipes ``_scaled_mm`` runs, against the emulation, on this device (rowwise: where
+    ``_scaled_mm`` gives the fp32 output ``nn.kernels.scaled_mm`` asks for)."""
+    out = []
+    for recipe in REAL_RECIPES:
+        if recipe == "fp8_rowwise" and rowwise_out_dtype(ctx.device) != torch.float32:
+            why = "skip: torch._scaled_mm gives row-scaled GEMMs only a bf16/fp16 output here; nn.kernels asks fp32"
+            out.append(row("skip", why, recipe=recipe))
+        else:
+            out.append(real_vs_emulation(recipe, ctx.device))
+    return out
 
 
 TORCHAO_TOLERANCE = {
@@ -229,13 +260,10 @@ def torchao_rows(ctx) -> list[dict]:
 
     from .catalog import RECIPES as SUMMARY
 
-    hw, out = detect_hardware(), []
-    for recipe in SUMMARY:
-        ao = torchao_recipe(LinearPlan.from_recipe(recipe))
-        if ao is None:
-            continue
-        why = torchao_kernel_refusal(ao, hw)
-        out.append(
-            row("skip", f"skip: {why}", recipe=recipe) if why else torchao_vs_emulation(recipe, ctx.device)
-        )
-    return out
+    hw = detect_hardware()
+
+    def check(recipe: str) -> dict:
+        why = torchao_kernel_refusal(torchao_recipe(LinearPlan.from_recipe(recipe)), hw)
+        return row("skip", f"skip: {why}", recipe=recipe) if why else torchao_vs_emulation(recipe, ctx.device)
+
+    return per_recipe(check, [r for r in SUMMARY if torchao_recipe(LinearPlan.from_recipe(r)) is not None])
