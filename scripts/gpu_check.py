@@ -12,11 +12,27 @@ fails.
 
 from __future__ import annotations
 
+import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout, installed or not
+
+
+def inductor_cache(environ) -> str:
+    """The compiled-kernel cache of this user and stack, so a second run skips compilation:
+    ``${XDG_CACHE_HOME:-~/.cache}/low_bits_training/inductor-<torch>-torchao-<torchao>``. Set before the
+    package is imported: importing ``torch._dynamo`` fixes ``TORCHINDUCTOR_CACHE_DIR`` to torch's default."""
+    root = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "low_bits_training"
+    versions = []
+    for dist in ("torch", "torchao"):
+        try:
+            versions.append(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            versions.append("none")
+    return str(root / f"inductor-{versions[0]}-torchao-{versions[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     from low_bits_training.titan.platform.devices import this_machine_refusal  # torch and stdlib only
 
     argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", inductor_cache(os.environ)
+    )  # TORCHINDUCTOR_CACHE_DIR wins
     refusal = this_machine_refusal()
     if refusal and "--dry-run" not in argv:
         print(f"gpu_check: {refusal}")

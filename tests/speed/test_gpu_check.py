@@ -4,8 +4,10 @@ simulated H100, and the recompile limit of compiled variants."""
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -134,11 +136,17 @@ def test_a_small_budget_skips_what_does_not_fit(tmp_path, capsys):
 
 
 def test_level_1_runs_on_the_cpu_build(tmp_path):
-    """The same command a GPU node runs: CUDA items skipped with the reason, the CPU-capable ones run."""
-    p = subprocess.run(
-        [SCRIPT, "--levels", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900
-    )
+    """The same command a GPU node runs: CUDA items skipped with the reason, the CPU-capable ones run; the
+    compiled-kernel cache is the user's persistent one (nothing compiles in level 1 on a CPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    cmd = [SCRIPT, "--levels", "1", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    cache = (
+        tmp_path / "xdg" / "low_bits_training" / f"inductor-{version('torch')}-torchao-{version('torchao')}"
+    )
+    assert f"TORCHINDUCTOR_CACHE_DIR={cache}" in p.stdout.splitlines()
     rows = runner.load_json(tmp_path)["results"]
     by = {}
     for r in rows:

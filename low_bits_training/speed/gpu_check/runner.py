@@ -137,15 +137,6 @@ def install_wheelhouse(folder: Path) -> Path:
     return target
 
 
-def inductor_cache() -> str:
-    """A persistent compiled-kernel cache per user and stack, so a second run skips compilation:
-    ``${XDG_CACHE_HOME:-~/.cache}/low_bits_training/inductor-<torch>-<torchao>``; ``TORCHINDUCTOR_CACHE_DIR``
-    wins when set."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "low_bits_training"
-    stack = f"inductor-{catalog.version('torch')}-torchao-{catalog.version('torchao')}"
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / stack))
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The flags; a bad ``--levels`` is one line and exit code 2."""
     p = argparse.ArgumentParser(prog="gpu_check.sh", description="The GPU check in one command.")
@@ -181,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if wheelhouse is not None:
         print(f"wheelhouse: installed into {install_wheelhouse(wheelhouse)}", flush=True)
         env = environment()
-    print(f"TORCHINDUCTOR_CACHE_DIR={inductor_cache()}", flush=True)
+    print(f"TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR')}", flush=True)
     return run(ns, env)
 
 
