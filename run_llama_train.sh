@@ -37,7 +37,7 @@ export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
 # The launcher checks the whole config here, before any rank starts (bad input: one line, exit code 2, the
 # run folder untouched), then runs torchrun in the same process. Exit codes: 0 done, 2 config, 3 non-finite
 # stop ([numerics] nonfinite = "stop"), 4 checkpoint refused, 1 crash (README: "Exit codes").
-exec "$PYTHON" -m low_bits_training.titan.launch.launcher \
+exec "$PYTHON" -m low_bits_training.cli.train \
   --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -- --config-file "$CONFIG_FILE" "$@"

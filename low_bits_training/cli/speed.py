@@ -227,6 +227,18 @@ def check_speed(config, hw) -> list:
     return [Check("speed", "WARN", line, fix)]
 
 
+def run_notes(config) -> list[str]:
+    """The launcher's line before a run on this machine's GPU (``cli/train.py``): ``as_run_line`` where
+    some quantized GEMM is emulated there; nothing on a CPU or where every one runs on a kernel."""
+    from low_bits_training.config.backends import detect_hardware
+
+    spec = spec_for(detect_hardware())
+    if spec is None:
+        return []
+    line, _, emulated = as_run_line(config, spec)
+    return [f"{line}; lbt-speed --layers names the GEMMs"] if emulated else []
+
+
 def _preset_targets(config, recipe: str | None, dp: int, cache: dict) -> list[GemmTarget]:
     """``run_targets`` of ``config`` with ``recipe``, resolved once per distinct (model, plan, training)
     among the presets (resolution takes seconds at 8B; the specs do not depend on the GPU, so SM100's)."""

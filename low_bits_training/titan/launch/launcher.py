@@ -35,8 +35,9 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 from low_bits_training.config.exits import SIGNAL_BASE, ExitCode, classify
 from low_bits_training.titan.launch.failures import HoldBack, chosen_failure, crash_report, crashed, shown
@@ -357,9 +358,16 @@ def run_torchrun(args, method: str = "spawn") -> int:
         agent.removeFilter(hold)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, notes: Callable[[Any], list[str]] | None = None) -> int:
     """Check the config, then run torchrun; returns the exit code (``config/exits.py``: 0, 2 config, 3
-    non-finite stop, 4 checkpoint, 1 crash, 128 + N for signal N)."""
+    non-finite stop, 4 checkpoint, 1 crash, 128 + N for signal N).
+
+    Args:
+        argv: launcher arguments (default: ``sys.argv[1:]``).
+        notes: lines to print (prefixed ``low-bits-training: ``) once the config is checked and before any
+            rank starts, from the checked config: ``lbt-train`` / ``run_llama_train.sh`` pass the speed
+            model's word on what a GPU run emulates (``cli.speed.run_notes``; titan cannot import speed).
+    """
     noise.install()  # upstream lines no user can act on (titan/platform/noise.py)
     options, training = split_argv(sys.argv[1:] if argv is None else argv)
     check_only = CHECK_ONLY in options
@@ -378,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     done = nothing_to_do(config, resume)
     if done is not None:
         print(done, file=sys.stderr)
+    for line in notes(config) if notes is not None and done is None else ():
+        print(f"low-bits-training: {line}", file=sys.stderr, flush=True)
     if check_only or done is not None:
         return ExitCode.OK
     shown = show_the_loss(args, config, world_size(args))
