@@ -334,3 +334,26 @@ def test_the_wheelhouse_installs_what_is_missing_into_a_temporary_folder(tmp_pat
     assert lbt_probe_pkg.VALUE == 7
     monkeypatch.delitem(sys.modules, "lbt_probe_pkg")
     shutil.rmtree(target)
+
+
+def test_the_graph_checks_eager_step_is_keyed_and_sees_the_plan_switch(monkeypatch):
+    """The eager half of the CUDA-graph check, on the CPU: a step repeats bit for bit under the same key, differs
+    under another (nvfp4 rounds gradients stochastically) and after the plan switch."""
+    from low_bits_training.nn import LinearPlan
+    from low_bits_training.speed.gpu_check import graphs
+
+    monkeypatch.setattr(
+        graphs, "GRAPH_BLOCK", block.BlockShape(dim=128, n_heads=4, n_kv_heads=2, ffn=256, tokens=32)
+    )
+    b = graphs.quant_block(LinearPlan.from_recipe("nvfp4"), torch.device("cpu"))
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(32, 128, dtype=torch.bfloat16)
+    try:
+        first = graphs.eager_step(b, x, dy, 2)
+        assert len(first) == 2 + len(list(b.parameters()))  # y, dx, every dW
+        assert graphs._equal(graphs.eager_step(b, x, dy, 2), first)
+        assert not graphs._equal(graphs.eager_step(b, x, dy, 3), first)
+        graphs.set_plan(b, LinearPlan.from_recipe(graphs.SWITCH_TO))
+        assert not torch.equal(graphs.eager_step(b, x, dy, 2)[0], first[0])
+    finally:
+        graphs.rng.set_step_key(None)

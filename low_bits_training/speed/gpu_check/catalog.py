@@ -57,7 +57,7 @@ LEVELS = (
         Item("fp32-accumulate GEMM vs float64", 10, "device:accumulate_rows", needs_cuda=False),
         Item("casts cuda == cpu", 15, "parity:cast_rows"),
         Item("QuantLinear cuda == cpu", 20, "parity:recipe_rows"),
-        Item("CUDA graph replay == eager", 30, "device:graph_rows"),
+        Item("CUDA graph replay == eager", 30, "graphs:graph_rows"),
         Item("block step time vs bf16", 195, "block:block_rows"),
     )),
     Level(2, "torchao", ("torchao",), (
