@@ -204,8 +204,16 @@ class _Scaled(torch.nn.Module):
 
 
 def test_compile_variants_compiles_past_the_recompile_limit(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's default; restored afterwards
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
+    # The config module's own patch, not monkeypatch: pytest 9.2's undo deletes a setting it cannot find in
+    # the module's __dict__, hiding it from every later compile in the process (CI of stop 34).
+    limits = torch._dynamo.config.patch(
+        recompile_limit=8, accumulated_recompile_limit=256
+    )  # torch's defaults
+    with limits:
+        _compile_twelve_variants(monkeypatch)
+
+
+def _compile_twelve_variants(monkeypatch):
     monkeypatch.setattr(compiling, "_VARIANTS", [0])
     torch._dynamo.reset()
     graphs = []
