@@ -10,12 +10,21 @@ import hashlib
 import json
 import os
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "low_bits_training"
+
+
+def _version_or_none(package: str) -> str:
+    """The installed version of ``package``, or "none" (scripts/torch_range.sh runs the pure layers' tests
+    on another torch without torchao / torchtitan)."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "none"
 
 
 def inductor_cache_dir() -> Path:
@@ -25,7 +34,7 @@ def inductor_cache_dir() -> Path:
     entries of another source never mix in (../shared/DESIGN.md: stale entries crash torchao's low-bit
     optimizers). Old folders stay until deleted (``rm -r ~/.cache/lbt-inductor``)."""
     h = hashlib.sha256()
-    for part in (sys.version, version("torch"), version("torchao")):
+    for part in (sys.version, version("torch"), _version_or_none("torchao")):
         h.update(part.encode() + b"\0")
     for path in sorted(PACKAGE.rglob("*.py")):
         h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -39,7 +48,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from low_bits_training.titan.platform import cpu  # noqa: E402
 
-if cpu.needs_cpu_adapters():
+if cpu.needs_cpu_adapters() and _version_or_none("torchtitan") != "none":
     cpu.install_device_module()
 
 

@@ -230,11 +230,20 @@ eager e4m3 takes the add/sub trick (0.7 ms for the whole rounding). Compiled, in
 in vector registers and e4m3 keeps the cast (``COMPILED_CPU_CAST_DTYPES``)."""
 
 
+E4M3_CAST_SATURATES = bool(torch.tensor(1e4).to(torch.float8_e4m3fn).float() == 448.0)
+"""Whether this torch's float8_e4m3fn cast saturates a value past 448 (torch 2.13 on), or makes it NaN
+(torch 2.11 and 2.12: ``scripts/torch_range.sh``, docs/speed_model.md "Which torch"). Where it does not, a
+saturating rounding does not take the cast (``rounds_by_cast``)."""
+
+
 def rounds_by_cast(fmt: Format, device: torch.device, saturate: bool = True) -> bool:
     """True when ``round_magnitude`` rounds to ``fmt`` by a round trip through its torch fp8 dtype
     (``native_fp8_dtype``), except eagerly on the CPU for the dtypes whose way back is slow there
-    (``EAGER_CPU_ROUND_TRIP_DTYPES``). The values are the same either way (tested)."""
+    (``EAGER_CPU_ROUND_TRIP_DTYPES``), and for e4m3 on a torch whose cast does not saturate
+    (``E4M3_CAST_SATURATES``). The values are the same either way (tested)."""
     dtype = native_fp8_dtype(fmt, device, saturate)
+    if dtype == torch.float8_e4m3fn and not E4M3_CAST_SATURATES:
+        return False
     if dtype is None or torch.compiler.is_compiling() or device.type != "cpu":
         return dtype is not None
     return dtype in EAGER_CPU_ROUND_TRIP_DTYPES

@@ -7,6 +7,7 @@ import torch
 from formats_helpers import assert_same_bits, ml_cast, ml_codes, probe_values
 
 from low_bits_training.formats import decode, encode, get_format, round_to
+from low_bits_training.formats.rounding import E4M3_CAST_SATURATES
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -65,8 +66,13 @@ def test_round_to_matches_ml_dtypes(name, saturate, dtype):
 def test_round_to_matches_torch_cast(name, torch_dtype, saturate, dtype):
     # torch 2.14's float8_e4m3fn cast saturates (inf -> 448); float8_e5m2 follows IEEE (overflow -> inf).
     x = probe_values(name, seed=1).to(dtype)
-    got = round_to(x, name, saturate=saturate)
-    assert_same_bits(got, x.to(torch_dtype).to(dtype), f"{name} vs torch {dtype}")
+    got, want = round_to(x, name, saturate=saturate), x.to(torch_dtype).to(dtype)
+    if not E4M3_CAST_SATURATES and torch_dtype == torch.float8_e4m3fn:
+        # torch 2.11 / 2.12 (scripts/torch_range.sh): a value past 448 casts to NaN; ours saturates there too
+        past = torch.isnan(want) & ~torch.isnan(x)
+        assert (x[past].float().abs() > 448).all() and (got[past].float().abs() == 448).all()
+        got, want = got[~past], want[~past]
+    assert_same_bits(got, want, f"{name} vs torch {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
