@@ -60,7 +60,8 @@ def test_dry_run_lists_every_level_and_item(tmp_path):
     assert any(ln.startswith("  keep numpy 0.1 (this Python has ") for ln in lines)  # never shadowed
 
 
-def test_dry_run_lines_name_each_levels_budget_and_needs():
+def test_dry_run_lines_name_each_levels_budget_and_needs(monkeypatch):
+    monkeypatch.setattr(catalog, "missing", lambda lv: [])  # as with the pinned stack (scripts/torch_range.sh)
     lines = catalog.dry_run_lines(False, None, 100)
     assert lines[0].startswith("budget: 100 s (--budget-s)")
     assert [ln for ln in lines if ln.startswith("level ")] == [
@@ -305,6 +306,7 @@ def test_a_level_whose_import_fails_is_skipped_with_the_reason(tmp_path, monkeyp
     """torchtitan 0.3.0 on torch 2.11 is installed but does not import: level 3 says so and runs nothing."""
     code = "raise ImportError('cannot import name set_timeout from torch.distributed')"
     monkeypatch.setitem(runner.IMPORTS, 3, code)
+    monkeypatch.setattr(catalog, "missing", lambda lv: [])  # installed, as on a node with the wheelhouse
     rows = runner.run_level(catalog.level(3), runner.Context("cuda", tmp_path, float("inf")))
     why = f"skip: `{code}` fails on torch {torch.__version__}: ImportError: cannot import name set_timeout from torch.distributed"
     assert rows == [{"item": "level 3", "status": "skip", "detail": why, "level": 3}]
