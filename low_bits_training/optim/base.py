@@ -120,16 +120,16 @@ class LowBitOptimizer(Optimizer):
                 KERNELS[lay.spec.kind](lay.spec, chunk[0], chunk[1], hyper, key, *chunk[2:])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, then each state back to the dtype it was saved in (torch casts every floating-point
-        parameter's states to the parameter dtype, which would turn uint8 codes into fp32)."""
-        dtypes = {
-            pid: {k: v.dtype for k, v in st.items() if torch.is_tensor(v)}
-            for pid, st in state_dict["state"].items()
-        }
+        """torch's load, then each state tensor as it was saved, on its parameter's device: torch casts every
+        floating-point parameter's states to the parameter's dtype, which would turn uint8 codes into floats
+        and round the fp32 block scales and moments of a bf16 parameter to bf16 (a resumed run would then
+        differ from the uninterrupted one). ``step`` stays as torch loads it."""
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, kinds in dtypes.items():
-            st = self.state[params[pid]]
-            for k, dt in kinds.items():
-                if st[k].dtype != dt:
-                    st[k] = st[k].to(dt)
+        params = dict(zip(ids, (p for g in self.param_groups for p in g["params"]), strict=True))
+        for pid, st in saved.items():
+            mine = self.state[params[pid]]
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "step":
+                    mine[k] = v.to(device=mine[k].device)

@@ -203,6 +203,7 @@ def test_compiled_runs_round_as_eager_when_a_target_is_emulated():
     # cannot find in the module's __dict__ with delattr, which hides the setting from every later compile
     # in the process ("emulate_precision_casts does not exist": CI of stop 34).
     switches = ("emulate_precision_casts", "eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+
     def now():
         numerics = inductor.eager_numerics
         return (inductor.emulate_precision_casts, numerics.division_rounding, numerics.disable_ftz)

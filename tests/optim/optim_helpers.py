@@ -9,9 +9,9 @@ from low_bits_training.optim import LowBitAdamW
 SHAPES = ((64, 256), (24, 128), (256,))  # two matrices (quantized states) and a norm-like vector (fp32)
 
 
-def params(seed: int = 0) -> list[torch.Tensor]:
+def params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).requires_grad_() for s in SHAPES]
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
 
 
 def grads(step: int) -> list[torch.Tensor]:
@@ -27,7 +27,7 @@ def grads(step: int) -> list[torch.Tensor]:
 def run(opt: torch.optim.Optimizer, ps: list[torch.Tensor], steps: range) -> None:
     for k in steps:
         for p, gr in zip(ps, grads(k), strict=True):
-            p.grad = gr.clone()
+            p.grad = gr.to(p.dtype, copy=True)
         opt.step()
 
 

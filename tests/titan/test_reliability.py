@@ -202,3 +202,17 @@ def test_resharded_resume_says_the_data_restarts(tmp_path, cfg, reference):
     assert notice + "restarts from the first batch" in run.log
     assert "Training starts at step 5" in run.log
     assert sorted(run.losses) == [5, 6] and all(math.isfinite(v) for v in run.losses.values())
+
+
+def test_the_lean_preset_killed_mid_step_resumes_to_the_same_losses(tmp_path):
+    """bf16 parameters with LowBitAdamW's 4-bit moments and their fp32 block scales (issue 40): torch's
+    optimizer load casts states to the parameter's dtype; ours keeps them as saved, so the resumed run
+    equals the uninterrupted one to the bit."""
+    lean = REPO / "train_configs" / "debug_lean.toml"
+    reference = train(tmp_path / "ref", *ARGS, config=lean)
+    folder = tmp_path / "run"
+    _kill_when(folder, lean, _mid_step(random.Random(os.getpid())))
+    last = max(_complete(folder))
+    resumed = train(tmp_path, *ARGS, config=lean)
+    assert f"Training starts at step {last + 1}" in resumed.log, resumed.log[-3000:]
+    assert resumed.losses == reference.losses
