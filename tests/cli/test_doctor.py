@@ -12,6 +12,7 @@ import torch
 from helpers import write_toml
 from low_bits_training.cli import checks, config_checks, doctor
 from low_bits_training.cli.checks import Check
+from low_bits_training.config import job
 from low_bits_training.config.exits import ExitCode
 from low_bits_training.titan.platform.devices import gpu_count_refusal
 
@@ -26,6 +27,9 @@ def clean_env(monkeypatch, tmp_path):
     for k in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "NGPU", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
+    # run folders under tmp_path, not the checkout's outputs/ (where ./run_llama_train.sh, the README's first
+    # command, leaves a bf16 debug_model checkpoint that every check of another plan would refuse to resume)
+    monkeypatch.setattr(job, "RUNS_FOLDER", str(tmp_path / "outputs"))
     return tmp_path
 
 

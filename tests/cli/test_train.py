@@ -21,11 +21,15 @@ def test_lbt_train_is_the_launcher():
     assert train.launcher is launcher  # lbt-train is the launcher, with the speed notes (below)
 
 
-def test_before_a_gpu_run_one_line_says_what_is_emulated_and_the_step_predicted(monkeypatch, capsys):
+def test_before_a_gpu_run_one_line_says_what_is_emulated_and_the_step_predicted(
+    monkeypatch, capsys, tmp_path
+):
     from low_bits_training.cli import train
     from low_bits_training.config import backends
 
-    debug = ["--check-only", "--", "--config-file", "train_configs/debug_model.toml", "--quantize.recipe"]
+    out = str(tmp_path / "run")  # not the checkout's outputs/debug_model (the README's first command's)
+    debug = ["--check-only", "--", "--config-file", "train_configs/debug_model.toml", "--dump_folder", out]
+    debug.append("--quantize.recipe")
     monkeypatch.chdir(REPO)
     assert train.main([*debug, "deepseek_fp8"]) == 0  # this CPU: no line
     assert capsys.readouterr().err == ""
