@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from low_bits_training.config.secrets import wandb_credentials
-from low_bits_training.titan.platform.devices import gpu_count_refusal
+from low_bits_training.titan.platform.devices import gpu_count_refusal, this_machine_refusal
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED = {"torch": "2.14.1", "torchtitan": "0.3.0", "torchao": "0.18.0"}
@@ -82,6 +82,9 @@ def check_cuda() -> Check:
     import torch
 
     if not torch.cuda.is_available():
+        refused = this_machine_refusal()
+        if refused:  # a GPU node whose torch cannot use its driver: the launcher refuses it too
+            return Check("cuda", "FAIL", refused, "see the line (README 'Setup on a GPU machine or cluster')")
         build = f"CUDA build {torch.version.cuda}" if torch.version.cuda else "CPU build"
         return Check(
             "cuda",

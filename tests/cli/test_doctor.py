@@ -40,6 +40,18 @@ def by_name(rows: list[Check]) -> dict[str, Check]:
 def test_this_machine_has_no_gpu_so_everything_is_emulated():
     c = checks.check_cuda()
     assert c.status == "WARN" and "no GPU" in c.detail and "emulated" in c.detail and c.fix
+
+
+def test_a_driver_torch_cannot_use_fails_the_cuda_row_with_the_launchers_line(monkeypatch):
+    from low_bits_training.titan.platform import devices
+
+    monkeypatch.delenv(devices.ALLOW_CPU_RANKS, raising=False)
+    monkeypatch.setattr(devices, "nvidia_driver", lambda: "NVRM version: 535.104.05")  # older than CUDA 13's
+    c = checks.check_cuda()
+    assert (c.status, c.detail) == ("FAIL", devices.this_machine_refusal())
+    assert c.detail.startswith(
+        "this machine has an NVIDIA driver (NVRM version: 535.104.05) but torch sees no GPU"
+    )
     assert checks.check_nccl() == Check("nccl", "OK", "not used without a GPU (gloo)")
 
 
