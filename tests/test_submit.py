@@ -113,7 +113,7 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
         "--kill-on-bad-exit=1",
         sys.executable,
         "-m",
-        "low_bits_training.titan.launch.launcher",
+        "low_bits_training.cli.train",  # the launcher with the speed notes (tests/cli/test_train.py)
         "--nnodes=2",
         "--nproc_per_node=4",
         "--max-restarts=0",
