@@ -61,7 +61,8 @@ def test_dry_run_lists_every_level_and_item(tmp_path):
 
 
 def test_dry_run_lines_name_each_levels_budget_and_needs(monkeypatch):
-    monkeypatch.setattr(catalog, "missing", lambda lv: [])  # as with the pinned stack (scripts/torch_range.sh)
+    # as with the pinned stack installed (scripts/torch_range.sh's venvs lack it)
+    monkeypatch.setattr(catalog, "missing", lambda lv: [])
     lines = catalog.dry_run_lines(False, None, 100)
     assert lines[0].startswith("budget: 100 s (--budget-s)")
     assert [ln for ln in lines if ln.startswith("level ")] == [
