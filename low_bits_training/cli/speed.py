@@ -144,25 +144,29 @@ def emulated_share(pred: Prediction, plans: dict) -> float:
     return emulated / quantized if quantized else 0.0
 
 
-def predict_run(
-    config, spec: GpuSpec, recipe: str | None, dp: int, as_run: bool = False
-) -> tuple[Prediction, dict]:
-    """The prediction of ``config``'s step on ``spec`` (with ``recipe`` in place of its own, if given;
-    ``as_run``: emulated GEMMs as this package runs them, ``speed.predict``)."""
+def run_targets_on(config, spec: GpuSpec, recipe: str | None, dp: int) -> tuple[list[GemmTarget], dict]:
+    """``config``'s targets with their plans resolved on ``spec`` (with ``recipe`` in place of its own, if
+    given), and the plans (FQN -> LinearPlan). Resolution takes seconds at 8B: once per GPU and recipe."""
     quantize = dataclasses.replace(config.quantize, recipe=recipe) if recipe else None
     plans, shapes = resolved(config, spec.hardware(), quantize)
-    return predict(run_targets(config, plans, shapes, dp), spec, as_run=as_run), plans
+    return run_targets(config, plans, shapes, dp), plans
 
 
-def as_run_line(config, spec: GpuSpec, recipe: str | None = None, dp: int = 1) -> tuple[str, float, float]:
-    """What this package runs of ``config``'s plan on ``spec`` (lbt-speed, lbt-doctor's "speed" row).
+def predict_run(config, spec: GpuSpec, recipe: str | None, dp: int) -> tuple[Prediction, dict]:
+    """The prediction of ``config``'s step on ``spec`` (with ``recipe`` in place of its own, if given)."""
+    targets, plans = run_targets_on(config, spec, recipe, dp)
+    return predict(targets, spec), plans
+
+
+def as_run_line(targets: list[GemmTarget], plans: dict, spec: GpuSpec) -> tuple[str, float, float]:
+    """What this package runs of a resolved plan on ``spec`` (lbt-speed, lbt-doctor's "speed" row, the
+    launcher's note), from ``run_targets_on``.
 
     Returns:
         One line (the share of quantized GEMM FLOPs emulated, those in fp32, the predicted step against
         bf16's beside the kernels' figure), the predicted speedup as run, and the emulated share.
     """
-    kernels, plans = predict_run(config, spec, recipe, dp)
-    ours = predict_run(config, spec, recipe, dp, as_run=True)[0]
+    kernels, ours = predict(targets, spec), predict(targets, spec, as_run=True)
     share = emulated_share(kernels, plans)
     if not share:
         line = f"this package on {spec.name}: no quantized GEMM emulated; step {kernels.speedup:.2f}x bf16's"
@@ -187,9 +191,10 @@ def report_run(ns, rest: list[str]) -> ExitCode:
         f"{ns.config_file}: recipe {recipe}, {config.training.local_batch_size} x {config.training.seq_len} tokens a GPU"
     )
     for name in ns.gpu:
-        pred, _ = predict_run(config, gpu(name), ns.recipe, ns.dp)
+        targets, plans = run_targets_on(config, gpu(name), ns.recipe, ns.dp)
+        pred = predict(targets, gpu(name))
         print("\n" + summary(pred))
-        print("  " + as_run_line(config, gpu(name), ns.recipe, ns.dp)[0])
+        print("  " + as_run_line(targets, plans, gpu(name))[0])
         if ns.layers:
             print("\n" + layer_table(pred))
     return ExitCode.OK
@@ -220,7 +225,7 @@ def check_speed(config, hw) -> list:
     spec = spec_for(hw)
     if spec is None:
         return []
-    line, speedup, emulated = as_run_line(config, spec)
+    line, speedup, emulated = as_run_line(*run_targets_on(config, spec, None, 1), spec)
     if speedup >= 1.0 or not emulated:
         return [Check("speed", "OK", line)]
     fix = "lbt-speed --layers shows which GEMMs; a recipe this GPU has kernels for runs faster"
@@ -235,7 +240,7 @@ def run_notes(config) -> list[str]:
     spec = spec_for(detect_hardware())
     if spec is None:
         return []
-    line, _, emulated = as_run_line(config, spec)
+    line, _, emulated = as_run_line(*run_targets_on(config, spec, None, 1), spec)
     return [f"{line}; lbt-speed --layers names the GEMMs"] if emulated else []
 
 

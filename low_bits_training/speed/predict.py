@@ -59,8 +59,6 @@ class Prediction:
     gpu: str
     rows: tuple[TargetRow, ...]
     params: SpeedParams
-    as_run: bool = False
-    """Emulated GEMMs as this package runs them (``predict``), not as a kernel would."""
 
     @property
     def bf16_gemm_seconds(self) -> float:
@@ -176,5 +174,4 @@ def predict(
     """
     if not targets:
         raise ValueError("predict: no GEMM targets (the model has no linear layer the plan covers)")
-    rows = tuple(predict_target(t, gpu, params, as_run) for t in targets)
-    return Prediction(gpu.name, rows, params, as_run)
+    return Prediction(gpu.name, tuple(predict_target(t, gpu, params, as_run) for t in targets), params)
