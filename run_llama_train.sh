@@ -15,7 +15,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
 
 # Set ourselves up on a fresh machine: a .venv with the package installed (editable) and its pinned stack.
-source scripts/ensure_venv.sh
+source scripts/ensure_venv.sh ""
+[[ "${LBT_SETUP_DRY_RUN:-0}" == "1" ]] && exit 0  # the set-up commands were printed; nothing runs
 
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
 if [[ -z "${NGPU:-}" ]]; then

@@ -16,6 +16,7 @@ if [[ "${1:-}" == "--all" ]]; then
   shift
 fi
 source scripts/ensure_venv.sh dev
+[[ "${LBT_SETUP_DRY_RUN:-0}" == "1" ]] && exit 0  # the set-up commands were printed; nothing runs
 threads=2
 if [[ "${tier[0]}" == "-n" ]]; then threads=1; fi  # 2 workers x 1 thread on 2 cores
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}"

@@ -64,7 +64,8 @@ if [[ -d "$DUMP_FOLDER/checkpoint" ]]; then
 fi
 
 # shellcheck source=scripts/ensure_venv.sh
-source scripts/ensure_venv.sh
+source scripts/ensure_venv.sh ""
+[[ "${LBT_SETUP_DRY_RUN:-0}" == "1" ]] && exit 0  # the set-up commands were printed; nothing runs
 
 # The launcher's own check, with the training arguments train.sbatch gives it on the nodes.
 "$PYTHON" -m low_bits_training.titan.launch.launcher --check-only --nnodes="$NNODES" --nproc_per_node="$NGPU" \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Source me: make sure .venv (next to this repo's top) has the package installed; set PYTHON to its python.
-# Usage: source scripts/ensure_venv.sh [extra]     e.g. "dev" for the test tools.
+# Usage: source scripts/ensure_venv.sh EXTRA     EXTRA: "dev" for the test tools, "" for none (always give it:
+#   sourced without arguments, the script would see its caller's).
 # LBT_SKIP_SETUP=1 fails instead of installing; an explicit PYTHON is used as it is.
 # LBT_TORCH=keep: set .venv up around the torch the node already has (a build for its driver's CUDA) instead of
 #   the registry's torch==2.14.1 (a CUDA 13 build: driver >= 580): the venv sees the node's site-packages, the
@@ -9,9 +10,16 @@
 #   refused in one line (exit 2) for a torch older than the pin (scripts/keep_torch.py). It acts when .venv is
 #   set up: remove a .venv made without it first.
 # LBT_SETUP_DRY_RUN=1 bash scripts/ensure_venv.sh [extra]: print the set-up commands, run and write nothing
+#   (run_llama_train.sh, run_tests.sh and submit.sh then exit 0)
 #   (with LBT_TORCH=keep, the node's python3 is judged as the venv would see it).
 _lbt_top="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _lbt_extra="${1:-}"
+# A script that sources this file without arguments hands it its own ($1 = "--training.steps"): callers pass
+# the extra explicitly ("" for none), and anything but a pip extra's name is refused here, not by pip.
+if [[ -n "$_lbt_extra" && ! "$_lbt_extra" =~ ^[a-z][a-z0-9_-]*$ ]]; then
+  echo "low-bits-training: config error: ensure_venv.sh extra = '$_lbt_extra': expected a pip extra of pyproject.toml (e.g. dev) or \"\" (source it as: source scripts/ensure_venv.sh \"\")" >&2
+  return 2 2>/dev/null || exit 2
+fi
 _lbt_dry="${LBT_SETUP_DRY_RUN:-0}"
 
 # A set-up command, or (dry run) its line.

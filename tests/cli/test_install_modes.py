@@ -65,7 +65,11 @@ def test_versions_and_names():
 
 
 def _dry_run(
-    tmp_path: Path, torch_version: str | None, *extra: str, **env: str
+    tmp_path: Path,
+    torch_version: str | None,
+    *extra: str,
+    command: tuple = ("bash", "scripts/ensure_venv.sh"),
+    **env: str,
 ) -> subprocess.CompletedProcess:
     """``LBT_SETUP_DRY_RUN=1 bash scripts/ensure_venv.sh`` with ``python3`` a plain interpreter (not a venv) that
     sees a torch ``torch_version`` (a dist-info folder, nothing to import) in its site-packages."""
@@ -82,7 +86,7 @@ def _dry_run(
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LBT_SETUP_DRY_RUN="1", **env)
     env.pop("PYTHON", None)
     return subprocess.run(
-        ["bash", "scripts/ensure_venv.sh", *extra],
+        [*command, *extra],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -99,6 +103,22 @@ def test_the_default_set_up_is_todays(tmp_path):
         f"{venv}/bin/pip install --quiet --upgrade pip ",
         f"{venv}/bin/pip install --quiet -e {REPO}\\[dev\\] ",
     ]
+
+
+def test_the_first_run_with_a_flag_sets_up_without_an_extra(tmp_path):
+    """Issue 41: ``./run_llama_train.sh --training.steps 2`` on a machine without .venv. The script sources the
+    set-up, which once took the script's own ``$1`` for the pip extra (``placeholder[--training.steps]``)."""
+    run = _dry_run(tmp_path, None, "--training.steps", "2", command=("./run_llama_train.sh",))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == f"{REPO / '.venv'}/bin/pip install --quiet -e {REPO} "
+
+
+def test_an_extra_that_is_no_extra_is_refused(tmp_path):
+    run = _dry_run(tmp_path, None, "--training.steps")
+    assert run.returncode == 2 and "pip" not in run.stdout
+    assert run.stderr.strip().startswith(
+        "low-bits-training: config error: ensure_venv.sh extra = '--training.steps': expected a pip extra"
+    )
 
 
 def test_keep_sets_up_around_the_nodes_torch(tmp_path):
