@@ -11,7 +11,7 @@ class are past dynamo's recompile limit, and without it the later "compiled" row
 
 One line and exit code 2 on a machine without CUDA. torchao or torchtitan missing (e.g. a plain torch 2.11 box):
 the torchao rows say "unavailable" and the bf16 / emulation rows still run; ``--train`` needs the full stack.
-The "auto" column is what ``[quantize] backend = "auto"`` runs on this GPU (``config.backends.gemm_backend``).
+The "auto" column is what ``[quantize] backend = "auto"`` runs on this GPU (``plan.backends.gemm_backend``).
 Prints a markdown table: median ms of forward+backward (bf16 input, CUDA events) and the ratio to bf16 nn.Linear.
 """
 
@@ -66,9 +66,10 @@ def time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, iters: int, warmup: i
 
 def plans(recipe: str, k: int, n: int, tokens: int):
     """(plan as backend "auto" resolves it on this GPU, the same specs for our emulation)."""
-    from low_bits_training.config.backends import detect_hardware
-    from low_bits_training.config.plan import LayerShape, QuantizeConfig, resolve_plan
+    from low_bits_training.config.quantize import QuantizeConfig
     from low_bits_training.nn import LinearPlan
+    from low_bits_training.nn.hardware import detect_hardware
+    from low_bits_training.plan.resolve import LayerShape, resolve_plan
 
     auto = resolve_plan(
         QuantizeConfig(recipe=recipe, skip=[]), {"w": LayerShape(k, n, tokens)}, detect_hardware()
@@ -78,8 +79,9 @@ def plans(recipe: str, k: int, n: int, tokens: int):
 
 def torchao_row(lin: torch.nn.Linear, plan) -> tuple[str, torch.nn.Module | None]:
     """(label, module) for torchao's module of ``plan``, or (why not, None)."""
-    from low_bits_training.config.backends import detect_hardware, torchao_kernel_refusal
+    from low_bits_training.nn.hardware import detect_hardware
     from low_bits_training.nn.torchao_modules import torchao_linear, torchao_recipe
+    from low_bits_training.plan.backends import torchao_kernel_refusal
 
     recipe = torchao_recipe(plan)
     if recipe is None:
@@ -92,8 +94,8 @@ def torchao_row(lin: torch.nn.Linear, plan) -> tuple[str, torch.nn.Module | None
 
 def candidates(lin: torch.nn.Linear, recipe: str, tokens: int):
     """(label, "auto" backend, module or None) rows of one recipe on one shape."""
-    from low_bits_training.config.backends import gemm_backend
     from low_bits_training.nn import QuantLinear
+    from low_bits_training.plan.backends import gemm_backend
 
     auto, ours = plans(recipe, lin.in_features, lin.out_features, tokens)
     picks = "/".join(dict.fromkeys(gemm_backend(auto, g) for g in ("forward", "dgrad", "wgrad")))

@@ -16,9 +16,9 @@ import time
 import torch
 from torch import nn
 
-from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.nn import LinearPlan, QuantLinear
 from low_bits_training.nn.kernels import machine_line
+from low_bits_training.nn.recipes import recipe_specs
 
 
 def _time(mod: nn.Module, x: torch.Tensor, iters: int) -> float:

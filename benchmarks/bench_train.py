@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 
 from low_bits_training.cli.runner import REPO, run_local
-from low_bits_training.config.recipes import RECIPES
-from low_bits_training.config.runfolder import read_metrics
 from low_bits_training.nn.kernels import machine_line
+from low_bits_training.nn.recipes import RECIPES
+from low_bits_training.run.folder import read_metrics
 
 AIMS = {"fp8": 1.15, "mx": 1.3, "nvfp4": 1.4}
 """Issue 11's aims for the compiled step time relative to compiled bf16, by recipe family."""

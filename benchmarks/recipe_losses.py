@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from helpers import train  # noqa: E402
-from low_bits_training.config.recipes import RECIPES  # noqa: E402
+from low_bits_training.nn.recipes import RECIPES  # noqa: E402
 
 
 def main() -> None:

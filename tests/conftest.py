@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "low_bits_training"
+CHECKOUT_OWNED = [PACKAGE.parent / "outputs", PACKAGE.parent / "assets"]
+"""The checkout's folders the README's first command fills (run folders; the built-in corpus): tests never
+read or write them (the README's two commands pass in its order on a fresh clone, issue 41)."""
 
 
 def _version_or_none(package: str) -> str:
@@ -50,6 +53,32 @@ from low_bits_training.titan.platform import cpu  # noqa: E402
 
 if cpu.needs_cpu_adapters() and _version_or_none("torchtitan") != "none":
     cpu.install_device_module()
+
+
+def checkout_state() -> dict[str, tuple[int, int]]:
+    """``{path: (size, mtime_ns)}`` of every file and folder under ``CHECKOUT_OWNED``."""
+    out = {}
+    for top in CHECKOUT_OWNED:
+        for folder, dirs, files in os.walk(top):
+            for name in [*dirs, *files, ""]:
+                path = os.path.join(folder, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:  # removed while walking: the comparison shows it
+                    continue
+                out[path] = (st.st_size if name in files else 0, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_checkout_alone():
+    """Fail a test after which the checkout's ``outputs/`` or ``assets/`` differ from before it."""
+    before = checkout_state()
+    yield
+    after = checkout_state()
+    if after != before:
+        changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+        pytest.fail(f"the test changed the checkout's outputs/ or assets/: {', '.join(changed[:5])}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks

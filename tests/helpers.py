@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ class Run:
 
     @property
     def rows(self) -> list[dict]:
-        from low_bits_training.config.runfolder import read_metrics
+        from low_bits_training.run.folder import read_metrics
 
         return read_metrics(self.folder)
 
@@ -73,11 +74,15 @@ def leave_worker() -> None:
     os._exit(0)
 
 
+CORPUS = Path(tempfile.mkdtemp(prefix="lbt-test-corpus-")) / "lbt_markov"
+"""The built-in corpus of this test process's training runs (built by the first, read by the rest): never the
+checkout's ``assets/`` (tests/conftest.py, ``leaves_the_checkout_alone``)."""
+
 SMALL = (
     "--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.log_freq", "1",
-    "--metrics.no-enable-tensorboard",
+    "--metrics.no-enable-tensorboard", "--dataloader.dataset_path", str(CORPUS),
 )  # fmt: skip
-"""The small debug shape every test run uses unless it overrides it."""
+"""The small debug shape every test run uses unless it overrides it; the corpus in ``CORPUS``."""
 
 
 def train_command(folder: Path, *args: str) -> list[str]:
@@ -108,7 +113,7 @@ def train(
 ) -> Run:
     """Train with ``run_llama_train.sh`` (NGPU = nproc) into ``tmp_path/run`` (small debug shape by default).
 
-    Extra ``args`` are command-line overrides. The markov corpus is shared across tests (repo assets folder).
+    Extra ``args`` are command-line overrides. The markov corpus is shared across this process's tests (``CORPUS``).
     ``returncode`` is the launcher's: 2 config, 3 non-finite stop, 4 checkpoint, 1 crash.
     """
     folder = tmp_path / "run"

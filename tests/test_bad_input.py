@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import DEBUG_TOML, REPO, train, train_command, train_env, write_toml
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.titan.launch.validate import check_run
 from low_bits_training.titan.launch.worker import build_config
 

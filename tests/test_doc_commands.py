@@ -291,7 +291,7 @@ def run(clean_copy, documented_command: str, tmp: Path, timeout: int = 600) -> s
 
 
 def _rows(folder: Path) -> list[dict]:
-    from low_bits_training.config.runfolder import read_metrics
+    from low_bits_training.run.folder import read_metrics
 
     return read_metrics(folder)
 

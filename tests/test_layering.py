@@ -3,7 +3,8 @@ goes along the arrow, and no import circle exists between modules, not even insi
 
 The arrow (README, "Layers"):
 
-    formats <- numerics <- nn <- {optim, config} <- {titan, speed} <- report <- cli     data/ beside formats
+    formats <- numerics <- nn <- {optim, config} <- {run, plan} <- {titan, speed} <- report <- cli
+    data/ and errors/ (the one ConfigError) beside formats; run/ (run folder, exit codes, secrets) needs only config
 
 Each layer may import the layers listed for it in ``MAY_IMPORT`` (and its own modules); nothing else. Inside
 titan the rooms go by lifecycle, ``platform <- plan <- runtime <- launch`` (``TITAN_ROOMS``). The
@@ -20,18 +21,21 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "low_bits_training"
 
-_BASE = {"formats", "data"}
+_BASE = {"formats", "data", "errors"}
 MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
     "formats": set(),
     "data": set(),
     "numerics": {"formats"},
-    "nn": {"formats", "numerics"},
-    "optim": {"formats", "numerics", "nn"},
-    "config": {"formats", "numerics", "nn"},
-    "titan": {*_BASE, "numerics", "nn", "optim", "config"},
-    "speed": {*_BASE, "numerics", "nn", "optim", "config"},
-    "report": {*_BASE, "numerics", "nn", "optim", "config", "titan", "speed"},
-    "cli": {*_BASE, "numerics", "nn", "optim", "config", "titan", "speed", "report"},
+    "nn": {"errors", "formats", "numerics"},
+    "optim": {*_BASE, "numerics", "nn"},
+    "config": {*_BASE, "numerics", "nn"},
+    "run": {*_BASE, "config"},
+    "plan": {*_BASE, "numerics", "nn", "config"},
+    "titan": {*_BASE, "numerics", "nn", "optim", "config", "run", "plan"},
+    "speed": {*_BASE, "numerics", "nn", "optim", "config", "run", "plan"},
+    "report": {*_BASE, "numerics", "nn", "optim", "config", "run", "plan", "titan", "speed"},
+    "cli": {*_BASE, "numerics", "nn", "optim", "config", "run", "plan", "titan", "speed", "report"},
     "": set(),  # low_bits_training/__init__.py
 }
 """Layer (top folder of the package) -> the other layers its modules may import."""

@@ -5,7 +5,7 @@ loss falls, and the run folder holds what the README says. The full tier (``--al
 import pytest
 
 from helpers import train
-from low_bits_training.config.runfolder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML, METRICS_FILE
+from low_bits_training.run.folder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML, METRICS_FILE
 
 
 @pytest.mark.smoke

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from low_bits_training.config.secrets import wandb_credentials
+from low_bits_training.run.secrets import wandb_credentials
 from low_bits_training.titan.platform.devices import gpu_count_refusal, this_machine_refusal
 
 Status = Literal["OK", "WARN", "FAIL"]
@@ -150,7 +150,7 @@ def check_gpu_count(env: Mapping[str, str]) -> Check:
 
 
 def check_wandb(env: Mapping[str, str], enabled_in_config: bool = False) -> Check:
-    """W&B credentials, judged by the launcher's own test (``config.secrets.wandb_credentials``: an API key,
+    """W&B credentials, judged by the launcher's own test (``run.secrets.wandb_credentials``: an API key,
     ``WANDB_MODE`` or a netrc entry; the key is never shown): missing is a WARN (metrics still go to
     metrics.jsonl), a FAIL if the config asks for W&B."""
     source = wandb_credentials(env)

@@ -1,5 +1,5 @@
 """Checks that need the run's config: does it pass the launcher's own check, which backend runs each
-linear layer on this hardware (the resolved plan: ``config.backends.gemm_backend``, the answer the plan table
+linear layer on this hardware (the resolved plan: ``plan.backends.gemm_backend``, the answer the plan table
 gives), does that combination suit torch.compile, are its data and tokenizer reachable, is there disk for its
 checkpoints."""
 
@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from low_bits_training.cli.checks import Check, check_disk
-from low_bits_training.config.backends import (
-    GEMMS,
-    Hardware,
-    gemm_backend,
-    torchao_kernel_refusal,
-    torchao_recipe,
-)
+from low_bits_training.nn import GEMMS
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.plan.backends import gemm_backend, torchao_kernel_refusal
 
 HUB_FREE_DATASETS = ("lbt_markov", "lbt_markov_validation")
 _SLOW = ("emulate", "torchao_emulated")
@@ -44,7 +41,7 @@ Hugging Face files): the built-in corpus as data, its tokenizer in place of the 
 vocabulary and its plan are the preset's (shapes need no tokenizer)."""
 
 
-def resolve_run(
+def checked_config(
     config_file: str | None, args: list[str], env: dict[str, str] | None = None, stand_in: bool = False
 ) -> tuple[Check, Any]:
     """Resolve and check the run with the launcher's own check (``titan.launch.launcher.check``: TOML,
@@ -59,7 +56,7 @@ def resolve_run(
     Returns:
         The check and the built config (None when it did not resolve).
     """
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch.datasets import TokenizerMissing
     from low_bits_training.titan.launch.launcher import check
     from low_bits_training.titan.runtime.checkpoint import CheckpointError
@@ -90,9 +87,9 @@ def resolve_run(
 def _stood_in(
     config_file: str | None, args: list[str], env: dict[str, str] | None, missing: Exception
 ) -> tuple[Check, Any]:
-    """``resolve_run`` with the built-in corpus in place of the missing tokenizer: a WARN naming the
+    """``checked_config`` with the built-in corpus in place of the missing tokenizer: a WARN naming the
     launcher's refusal (or the stand-in's own FAIL)."""
-    status, config = resolve_run(config_file, [*args, *TOKENIZER_FREE], env)
+    status, config = checked_config(config_file, [*args, *TOKENIZER_FREE], env)
     if config is None:
         return status, None
     detail = (
@@ -147,7 +144,7 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
     torchao's emulated mode), with the reason (the hardware lacks the kernel, or torchao has no such module).
 
     Raises:
-        ConfigError: the plan does not resolve (see ``config.plan.resolve_plan``).
+        ConfigError: the plan does not resolve (see ``plan.resolve.resolve_plan``).
     """
     from low_bits_training.titan.plan.attention import UNCHANGED
 
@@ -162,8 +159,8 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
 
 def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
     """One WARN row per reason a group of the run's layers does not run torchao's kernel on ``hw``
-    (``config.plan_table.fallbacks``: the lines under the plan table, from ``backends.fallback_reason``)."""
-    from low_bits_training.config.plan_table import fallbacks
+    (``plan.table.fallbacks``: the lines under the plan table, from ``backends.fallback_reason``)."""
+    from low_bits_training.plan.table import fallbacks
     from low_bits_training.titan.plan import targets
 
     run = targets.run_of(config, hw)
@@ -361,7 +358,7 @@ def check_checkpoint_disk(config: Any, budget: Any) -> Check:
 
 
 def _recipe_check(config: Any, hw: Hardware, recipe: str) -> Check:
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
 
     try:
         return check_backends(
@@ -386,7 +383,7 @@ def config_checks(
         The checks and whether the config asks for W&B.
     """
     cpu_adapters_once()
-    status, config = resolve_run(config_file, args, env, stand_in=True)
+    status, config = checked_config(config_file, args, env, stand_in=True)
     if config is None:
         return [status], False
     checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]

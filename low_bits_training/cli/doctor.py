@@ -24,8 +24,8 @@ from low_bits_training.cli.checks import (
     check_wandb,
 )
 from low_bits_training.cli.runner import repo_root
-from low_bits_training.config.backends import Hardware, detect_hardware
-from low_bits_training.config.exits import ExitCode
+from low_bits_training.nn.hardware import Hardware, detect_hardware
+from low_bits_training.run.exits import ExitCode
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
 """``run_llama_train.sh``'s ``CONFIG_FILE`` default (a test holds the two equal)."""

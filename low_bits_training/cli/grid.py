@@ -21,7 +21,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 
 NPROC = "nproc"
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

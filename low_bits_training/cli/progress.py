@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from low_bits_training.config.runfolder import LOSS, METRICS_FILE, read_last_row, read_total_steps
+from low_bits_training.run.folder import LOSS, METRICS_FILE, read_last_row, read_total_steps
 
 
 def eta_seconds(elapsed: float, done: float, total: int) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from low_bits_training.config.exits import ExitCode
+from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.platform import noise
 
 

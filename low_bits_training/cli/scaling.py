@@ -18,7 +18,7 @@ from pathlib import Path
 from low_bits_training.cli.grid import NPROC, Grid, parse_value
 from low_bits_training.cli.summary import RunStats, final_step, markdown, run_stats, write_csv
 from low_bits_training.cli.sweep import run_points
-from low_bits_training.config.exits import ExitCode
+from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.platform import noise
 
 SUPERLINEAR = 1.2  # efficiency above this is a measurement problem, not a speedup

@@ -16,8 +16,8 @@ import dataclasses
 import sys
 
 from low_bits_training.cli.runner import REPO
-from low_bits_training.config.exits import ExitCode
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
+from low_bits_training.run.exits import ExitCode
 from low_bits_training.speed import GPUS, GemmTarget, GpuSpec, Prediction, gpu, predict
 
 AC_RECOMPUTE = {"SelectiveAC": 0.5, "FullAC": 1.0, "MemoryBudgetAC": 0.5}
@@ -26,7 +26,7 @@ selective AC recomputes every second matmul)."""
 
 
 def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
-    """The run's config as ``lbt-doctor`` builds it (``cli.config_checks.resolve_run`` with ``stand_in``:
+    """The run's config as ``lbt-doctor`` builds it (``cli.config_checks.checked_config`` with ``stand_in``:
     where the preset's tokenizer is missing, as for 8B / 70B presets without their Hugging Face files, the
     built-in corpus stands in for the data).
 
@@ -36,10 +36,10 @@ def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
     Raises:
         ConfigError: the config does not resolve.
     """
-    from low_bits_training.cli.config_checks import cpu_adapters_once, resolve_run
+    from low_bits_training.cli.config_checks import checked_config, cpu_adapters_once
 
     cpu_adapters_once()
-    check, config = resolve_run(config_file, args, stand_in=True)
+    check, config = checked_config(config_file, args, stand_in=True)
     if config is None:
         raise ConfigError(check.detail)
     note = ""
@@ -130,8 +130,8 @@ def run_targets(config, plans: dict, shapes: dict, dp: int) -> list[GemmTarget]:
 
 def emulated_share(pred: Prediction, plans: dict) -> float:
     """Share of the step's quantized GEMM FLOPs (an operand in low precision) that this package would run
-    emulated on that GPU (``config.backends.gemm_backend``): slower than the model's kernels."""
-    from low_bits_training.config.backends import gemm_backend
+    emulated on that GPU (``plan.backends.gemm_backend``): slower than the model's kernels."""
+    from low_bits_training.plan.backends import gemm_backend
 
     quantized = emulated = 0.0
     for row in pred.rows:
@@ -201,7 +201,7 @@ def report_run(ns, rest: list[str]) -> ExitCode:
 
 
 def spec_for(hw) -> GpuSpec | None:
-    """The speed model's GPU for ``hw`` (``config.backends.Hardware``): this machine's GPU when it has
+    """The speed model's GPU for ``hw`` (``nn.hardware.Hardware``): this machine's GPU when it has
     that capability, else the part that defines it (SM90: H100, SM100: B200); None on a CPU or another
     capability."""
     import torch
@@ -235,7 +235,7 @@ def check_speed(config, hw) -> list:
 def run_notes(config) -> list[str]:
     """The launcher's line before a run on this machine's GPU (``cli/train.py``): ``as_run_line`` where
     some quantized GEMM is emulated there; nothing on a CPU or where every one runs on a kernel."""
-    from low_bits_training.config.backends import detect_hardware
+    from low_bits_training.nn.hardware import detect_hardware
 
     spec = spec_for(detect_hardware())
     if spec is None:
@@ -267,7 +267,7 @@ def preset_tables(gpus: list[str], dp: int) -> str:
     place of its ``[quantize] recipe`` (its rules and skip kept): the predicted step speedup over bf16."""
     import os
 
-    from low_bits_training.config.recipes import RECIPES
+    from low_bits_training.nn.recipes import RECIPES
     from low_bits_training.speed.report import table
 
     os.chdir(REPO)  # presets name their data and assets relative to the repository
@@ -312,13 +312,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def check_args(ns: argparse.Namespace) -> None:
     """Raises ConfigError (one line) for a GPU, recipe or --dp the model does not know."""
-    from low_bits_training.config.recipes import RECIPES
+    from low_bits_training.nn.recipes import recipe_specs
 
     for name in ns.gpu:
         if name.lower() not in {g.lower() for g in GPUS}:
             raise ConfigError(f"--gpu = {name!r}: expected one of {', '.join(GPUS)}")
-    if ns.recipe is not None and ns.recipe not in RECIPES:
-        raise ConfigError(f"--recipe = {ns.recipe!r}: expected one of {', '.join(RECIPES)}")
+    if ns.recipe is not None:
+        recipe_specs(ns.recipe, "--recipe")
     if ns.dp < 1:
         raise ConfigError(f"--dp = {ns.dp}: expected an int >= 1")
 

@@ -6,7 +6,7 @@ the launcher (``titan/launch/launcher.py``) with the speed model's word before a
 
 The whole config is checked in this process first (bad input: one line, exit code 2, nothing written to the run
 folder), then torchrun starts the ranks in the same process; arguments before ``--`` are torchrun's, after it
-(or all of them, without ``--``) training arguments. Exit codes: ``config/exits.py``. On a GPU where the
+(or all of them, without ``--``) training arguments. Exit codes: ``run/exits.py``. On a GPU where the
 plan emulates GEMMs (no kernel for them there), one line before any rank starts says how much and the step
 predicted against bf16's (``cli.speed.run_notes``).
 """

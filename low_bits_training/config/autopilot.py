@@ -25,19 +25,15 @@ and the model come in as values.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from low_bits_training.config.section import AtLeast, Section
-from low_bits_training.config.tree import ConfigError
-from low_bits_training.formats import QuantSpec
+from low_bits_training.errors import ConfigError
+from low_bits_training.formats import HIGH
 from low_bits_training.formats.table import get_format
-from low_bits_training.nn import ROLE_NAMES, ROLES
 from low_bits_training.nn.recipes import RECIPES
-from low_bits_training.nn.roles import along_contraction
 
-HIGH = "high"
 SpikeAction = Literal["promote", "rollback"]
 AUTOPILOT_FILE = "autopilot.jsonl"
 """The decisions of a run, one JSON object per line, in the run folder (read back on resume)."""
@@ -145,47 +141,3 @@ def rung_kind(rung: str, where: str = "quantize.autopilot.ladder") -> str:
             "(e2m1, e4m3, e5m2, int8, bf16, ...)"
         ) from None
     return "format"
-
-
-def rung_spec(rung: str, role: str, current: QuantSpec) -> QuantSpec | None:
-    """The spec ``role`` gets on ``rung`` from ``current`` (None: high precision).
-
-    Raises:
-        ValueError: the rung's format cannot take the current spec's other fields.
-    """
-    kind = rung_kind(rung)
-    if kind == HIGH:
-        return None
-    if kind == "recipe":
-        return along_contraction(RECIPES[rung].get(role), ROLES[ROLE_NAMES.index(role)])
-    return dataclasses.replace(current, format=rung)
-
-
-def _on_rung(rung: str, role: str, spec: QuantSpec) -> bool:
-    kind = rung_kind(rung)
-    if kind == "recipe":
-        return rung_spec(rung, role, spec) == spec
-    return kind == "format" and spec.format == rung
-
-
-def promote(spec: QuantSpec | None, role: str, ladder: list[str]) -> tuple[QuantSpec | None, str] | None:
-    """The next spec up ``ladder`` for ``role`` now under ``spec``, and the rung's name.
-
-    The rung above the highest rung ``spec`` is on (a spec on none goes to the top rung); a rung whose
-    format cannot take the role's other fields is passed over.
-
-    Returns:
-        ``(spec, rung)``, or None when there is nothing above (already high, or on the top rung).
-    """
-    if spec is None:
-        return None
-    on = [i for i, rung in enumerate(ladder) if _on_rung(rung, role, spec)]
-    start = on[-1] + 1 if on else len(ladder) - 1
-    for rung in ladder[start:]:
-        try:
-            new = rung_spec(rung, role, spec)
-        except (TypeError, ValueError):
-            continue
-        if new != spec:
-            return new, rung
-    return None

@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from low_bits_training.config.section import checked_spec
-from low_bits_training.config.tree import ConfigError
-from low_bits_training.formats import QuantSpec
+from low_bits_training.errors import ConfigError
+from low_bits_training.formats import HIGH, QuantSpec
 
-HIGH = "high"
 SCALINGS = {"all_gather": ("tensor", "axis", "block", "tile"), "reduce_scatter": ("tensor", "block")}
 """Scalings each collective allows. All-gather: of the weight viewed as (rows, last dim), sharded by rows
 (axis / block run along the last dim; tile and tensor need no more than the shard and one amax). Reduce-

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
 from low_bits_training.config.section import AtLeast, Section
+from low_bits_training.config.tree import build_dataclass
+from low_bits_training.errors import ConfigError
+from low_bits_training.formats import QuantSpec
+from low_bits_training.nn import ROLE_NAMES
+from low_bits_training.nn.recipes import RECIPES, recipe_specs
 
 Policy = Literal["off", "warn", "skip", "stop"]
 
@@ -37,8 +42,62 @@ class NumericsConfig(Section):
 
     def check(self) -> None:
         """Raises: ConfigError (one line) for a field that does not fit its type (``stats_freq >= 0``, a
-        ``Policy``) or what-if names that do not resolve (``config.whatif.check_names``)."""
+        ``Policy``) or what-if names that do not resolve (``check_names``)."""
         Section.check(self)
-        from low_bits_training.config.whatif import check_names
-
         check_names(self.whatif, self.whatif_specs, self.stats_freq)
+
+
+def custom_spec(name: str, table: Any) -> QuantSpec:
+    """The QuantSpec of ``[numerics.whatif_specs.<name>]``.
+
+    Raises:
+        ConfigError: not a table, an ``axis`` key (the axis is always the GEMM's contraction dim), an unknown
+            key or a value QuantSpec refuses.
+    """
+    where = f"numerics.whatif_specs.{name}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} = {table!r}: expected a table of QuantSpec fields (format = 'e2m1', ...)")
+    if "axis" in table:
+        raise ConfigError(f"{where}.axis: not a key; the axis is always the GEMM's contraction dim")
+    return build_dataclass(QuantSpec, table, where)
+
+
+def alternative(name: str, custom: dict[str, Any]) -> dict[str, QuantSpec | None]:
+    """Role name -> spec of one alternative (a custom spec first, else the recipe of that name)."""
+    if name in custom:
+        return dict.fromkeys(ROLE_NAMES, custom_spec(name, custom[name]))
+    return recipe_specs(name)
+
+
+def check_names(names: list[str], custom: dict[str, Any], stats_freq: int) -> None:
+    """The ``[numerics]`` what-if keys on their own (no model needed).
+
+    Raises:
+        ConfigError: an unknown or repeated name, a custom spec that is invalid or not listed, a recipe that
+            measures nothing (bf16), or what-if without statistics steps.
+    """
+    for name in custom:
+        custom_spec(name, custom[name])
+        if name in RECIPES:
+            raise ConfigError(
+                f"numerics.whatif_specs.{name}: the name of a recipe; give the table another name"
+            )
+        if name not in names:
+            raise ConfigError(f"numerics.whatif_specs.{name}: not listed in numerics.whatif = {names!r}")
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"numerics.whatif = {names!r}: {name!r} is listed twice")
+        if name not in custom and name not in RECIPES:
+            raise ConfigError(
+                f"numerics.whatif = {names!r}: {name!r} is neither a recipe ({', '.join(RECIPES)}) nor a "
+                "numerics.whatif_specs table"
+            )
+        if all(s is None for s in alternative(name, custom).values()):
+            raise ConfigError(
+                f"numerics.whatif = {names!r}: {name!r} keeps every role high; it measures nothing"
+            )
+    if names and not stats_freq:
+        raise ConfigError(
+            f"numerics.whatif = {names!r}: needs numerics.stats_freq > 0 (what-if statistics are recorded on "
+            "statistics steps)"
+        )

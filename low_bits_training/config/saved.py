@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from low_bits_training.config.section import AtLeast, Section, checked_spec
-from low_bits_training.config.tree import ConfigError
-from low_bits_training.formats import QuantSpec
+from low_bits_training.errors import ConfigError
+from low_bits_training.formats import HIGH, QuantSpec
 from low_bits_training.formats.spec import ScaleFormat, ScaleRounding
 
-HIGH = "high"
 CASTS = ("bf16", "fp16")
 """Formats kept as a plain torch dtype (no scales)."""
 BLOCK = re.compile(r"layers\.\d+")

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from low_bits_training.config.tree import Checked, ConfigError, coerce, field_types
+from low_bits_training.config.tree import Checked, coerce, field_types
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 
 

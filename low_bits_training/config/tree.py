@@ -14,9 +14,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-
-class ConfigError(ValueError):
-    """A configuration value or key that cannot be used; the message is one line for the user."""
+from low_bits_training.errors import ConfigError
 
 
 class Checked:

@@ -25,10 +25,11 @@ from .scaling import (
     grouped_shape,
     scale_from_amax,
 )
-from .spec import SCALE_FORMATS, QuantSpec
+from .spec import HIGH, SCALE_FORMATS, QuantSpec
 from .table import ALIASES, FORMATS, FloatFormat, Format, IntFormat, get_format
 
 __all__ = [
+    "HIGH",
     "ALIASES",
     "FORMATS",
     "ROUNDINGS",

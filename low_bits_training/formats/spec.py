@@ -18,6 +18,9 @@ AmaxCompute = Literal["max", "most_recent"]
 Source = Literal["high", "forward"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
+HIGH = "high"
+"""High precision: no quantization. The value a rule's ``format``, an autopilot rung, a wire or a saved
+format gives to keep a tensor in its own dtype (one name for every section)."""
 _ROUNDING_LABEL = {"nearest": "rne", "stochastic": "sr", "toward_zero": "rtz"}
 
 

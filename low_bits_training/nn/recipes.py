@@ -1,7 +1,7 @@
 """Named precision recipes: one name sets the spec of all six GEMM operand roles of a linear layer.
 
-The one table behind ``[quantize] recipe = ...`` (``config.recipes``) and ``LinearPlan.from_recipe`` (Python
-users, no TOML).
+The one table behind ``[quantize] recipe = ...`` and ``LinearPlan.from_recipe`` (Python users, no TOML), and the
+one check of a recipe name (``recipe_specs``): adding a recipe is one entry of ``RECIPES``.
 
 Each recipe gives a spec per operand (input, weight, grad_output); the operand's spec is used in every GEMM
 it feeds, with the axis set to that GEMM's contraction dim (``nn.operands``). Conventions and their sources:
@@ -32,7 +32,9 @@ it feeds, with the axis set to that GEMM's contraction dim (``nn.operands``). Co
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Literal
 
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 
 from .operands import ROLES
@@ -111,3 +113,22 @@ RECIPES: dict[str, dict[str, QuantSpec | None]] = {
     "int8": _by_operand(*[QuantSpec.int8_rowwise()] * 3),
 }
 """Recipe name -> spec per role name ("forward.input", ...); None is high precision."""
+
+RecipeName = Literal[tuple(RECIPES)]  # type: ignore[valid-type]  # the names, read from the one table
+"""A recipe name (``Literal`` of ``RECIPES``' keys: what ``[quantize] recipe`` accepts, tyro's choices)."""
+
+
+def recipe_specs(name: str, where: str = "quantize.recipe") -> dict[str, QuantSpec | None]:
+    """The role -> spec table of a named recipe: the one check of a recipe name (the plan, lbt-doctor,
+    lbt-speed, what-if, the autopilot and ``LinearPlan.from_recipe`` all ask here).
+
+    Args:
+        name: a key of ``RECIPES``.
+        where: the key the name was given under, for the message.
+
+    Raises:
+        ConfigError: an unknown name (one line listing the names).
+    """
+    if name not in RECIPES:
+        raise ConfigError(f"{where} = {name!r}: expected one of {', '.join(RECIPES)}")
+    return dict(RECIPES[name])

@@ -13,7 +13,7 @@ from typing import Literal
 from low_bits_training.formats import QuantSpec
 
 from .operands import GEMMS, ROLE_NAMES, ROLES, Gemm, Role
-from .recipes import RECIPES
+from .recipes import recipe_specs
 
 Backend = Literal["emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
 """Who runs a GEMM: our emulation, our ``_scaled_mm`` reference (``nn.kernels``, not offered in TOML),
@@ -59,7 +59,7 @@ def source_key(role: Role, spec: QuantSpec | None) -> str:
 
 def operand_problem(specs: tuple[QuantSpec | None, ...], backends: tuple[str, ...]) -> str | None:
     """Why a layer's role specs cannot run together (None: they can). The one check ``LinearPlan`` and the
-    TOML plan (``config.plan``) share.
+    TOML plan (``plan.resolve``) share.
 
     - ``source = "forward"`` only where a forward cast of the same tensor exists (``FORWARD_SOURCES``), and not
       from a forward cast made after an RHT (that copy lives in the rotated basis);
@@ -109,7 +109,7 @@ class LinearPlan:
     """One spec (or None) per role, in ``ROLES`` order."""
     backends: tuple[Backend, ...] = ("emulate",) * len(GEMMS)
     """Per GEMM (``GEMMS`` order), see ``Backend``. Only "emulate" and "real" run inside ``QuantMatmul``; the
-    others name layers handed to another module (``config.backends.gemm_backend`` decides)."""
+    others name layers handed to another module (``plan.backends.gemm_backend`` decides)."""
 
     def __post_init__(self) -> None:
         if len(self.specs) != len(ROLES) or len(self.backends) != len(GEMMS):
@@ -138,11 +138,9 @@ class LinearPlan:
         gives every layer it covers (no rules, no block-size check against a layer's shape).
 
         Raises:
-            ValueError: an unknown recipe name (the message lists the names).
+            ConfigError: an unknown recipe name (a ``ValueError``; the message lists the names).
         """
-        if name not in RECIPES:
-            raise ValueError(f"unknown recipe {name!r}: expected one of {', '.join(RECIPES)}")
-        return cls.from_roles(RECIPES[name], backend)
+        return cls.from_roles(recipe_specs(name, "recipe"), backend)
 
     def spec(self, role: str) -> QuantSpec | None:
         """The spec of a role named ``"gemm.operand"``."""

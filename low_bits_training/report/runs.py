@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from low_bits_training.config.autopilot import AUTOPILOT_FILE
-from low_bits_training.config.runfolder import (
+from low_bits_training.nn.roles import GEMMS, ROLE_NAMES
+from low_bits_training.numerics.records import NUMERICS_FILE
+from low_bits_training.run.folder import (
     FIRST_LOG,
     GEMM_SIZES_JSON,
     LOSS,
@@ -37,8 +39,6 @@ from low_bits_training.config.runfolder import (
     read_metrics,
     read_total_steps,
 )
-from low_bits_training.nn.roles import GEMMS, ROLE_NAMES
-from low_bits_training.numerics.records import NUMERICS_FILE
 
 
 def _number(v: Any) -> float:

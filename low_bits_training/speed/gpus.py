@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from low_bits_training.config.backends import Hardware
+from low_bits_training.nn.hardware import Hardware
 
 Dtype = str
 """A GEMM input dtype class: "bf16", "fp8", "fp6", "fp4" or "int8"."""
@@ -41,7 +41,7 @@ class GpuSpec:
     arch: str
     """"sm90" (Hopper) or "sm100" (Blackwell): the row of ``SCALED_FAMILIES``."""
     capability: tuple[int, int]
-    """The compute capability the precision plan is resolved for (``config.backends.Hardware``); B300 /
+    """The compute capability the precision plan is resolved for (``nn.hardware.Hardware``); B300 /
     GB300 report 10.3 but resolve as 10.0 does here."""
     peaks: dict[Dtype, float] = field(default_factory=dict)
     """Dense tensor-core TFLOP/s (TOP/s for int8) per dtype."""

@@ -11,7 +11,7 @@ takes ``flops / (efficiency * peak[dtype]) + io_bytes / bandwidth + overhead``. 
 
 By default the model predicts what kernels that compute the plan would take (torchao's, Transformer
 Engine's). ``predict(..., as_run=True)`` predicts what this package runs instead: a GEMM whose resolved
-backend is an emulation (``config.backends.gemm_backend``: ``emulate``, ``torchao_emulated``) multiplies
+backend is an emulation (``plan.backends.gemm_backend``: ``emulate``, ``torchao_emulated``) multiplies
 fake-quantized operands in bf16 or fp32 (``emulated_gemm_dtype``), whatever kernel the GPU has. See
 docs/speed_model.md for the parameters and the published figures they are held against.
 """
@@ -19,19 +19,18 @@ docs/speed_model.md for the parameters and the published figures they are held a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn.functional import exact_in_bf16
 from low_bits_training.nn.roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan
+from low_bits_training.plan.resolve import EntryKind
 
 from .casts import HIGH_BYTES, ONCHIP, elem_bytes, tensor_cast
 from .gpus import GpuSpec
 from .params import SpeedParams
 
-TargetKind = Literal["linear", "experts", "qk", "pv"]
 ELEM_DTYPE: dict[str, str] = {
     "e4m3": "fp8",
     "e5m2": "fp8",
@@ -49,7 +48,7 @@ BLOCK_FAMILIES: dict[tuple[int, str], str] = {
 """(block or tile side, scale format) -> the family of scaled GEMM that consumes it (``gpus.SCALED_FAMILIES``)."""
 OPERAND_GEMM_OUTPUT = {"forward": "grad_output", "dgrad": "input", "wgrad": "weight"}
 EMULATED_BACKENDS = ("emulate", "torchao_emulated")
-"""GEMM backends (``config.backends.gemm_backend``) that emulate the plan instead of running a kernel for it."""
+"""GEMM backends (``plan.backends.gemm_backend``) that emulate the plan instead of running a kernel for it."""
 """The tensor each GEMM writes: y has grad_output's shape, dx input's, dW weight's."""
 
 
@@ -65,7 +64,7 @@ class GemmTarget:
     tokens: int
     """M: rows per instance per step (for expert weights: every routed token, summed over the experts)."""
     plan: LinearPlan = field(default_factory=LinearPlan)
-    kind: TargetKind = "linear"
+    kind: EntryKind = "linear"
     count: int = 1
     """Independent instances (batch x heads for an attention product)."""
     groups: int = 1

@@ -13,7 +13,7 @@ from helpers import write_toml
 from low_bits_training.cli import checks, config_checks, doctor
 from low_bits_training.cli.checks import Check
 from low_bits_training.config import job
-from low_bits_training.config.exits import ExitCode
+from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.platform.devices import gpu_count_refusal
 
 SECRET = "doctor-secret-0123456789"
@@ -102,7 +102,7 @@ def test_wandb_key_is_ok_and_never_shown(monkeypatch, clean_env):
     monkeypatch.delenv("WANDB_API_KEY")
     assert checks.check_wandb(os.environ).status == "WARN"
     (clean_env / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {SECRET}\n")
-    c = checks.check_wandb(os.environ)  # the launcher's own test (config.secrets.wandb_credentials)
+    c = checks.check_wandb(os.environ)  # the launcher's own test (run.secrets.wandb_credentials)
     assert c.status == "OK" and c.detail == "configured (netrc)" and SECRET not in repr(c)
 
 
@@ -170,7 +170,7 @@ def test_doctor_fails_on_missing_data_and_bad_key(clean_env, monkeypatch, capsys
     )
     out = capsys.readouterr().out
     # The launcher's own validation refuses it (one line, as run_llama_train.sh would print it); a FAIL exits
-    # with the launcher's code for a refused job (config/exits.py), not 1 (a crash).
+    # with the launcher's code for a refused job (run/exits.py), not 1 (a crash).
     assert code == ExitCode.CONFIG == 2 and "| config " in out and "dataloader.dataset_path = " in out
     assert SECRET not in out
     rows = by_name(doctor.run_checks(str(clean_env / "nope.toml"), [], {}))
@@ -238,7 +238,7 @@ def test_a_missing_tokenizer_is_a_warn_the_plan_still_shows_and_the_launcher_ref
         and err[0].startswith(f"low-bits-training: config error: {refusal}")
     )
     # without the stand-in (what every other caller asks) the same refusal is a FAIL
-    status, built = config_checks.resolve_run(str(DEBUG), args)
+    status, built = config_checks.checked_config(str(DEBUG), args)
     assert (status.status, built) == ("FAIL", None) and status.detail.startswith(refusal)
 
 
@@ -328,13 +328,15 @@ ATTENTION = [{"layers": ["layers.[12].attention.qk"], "format": "e4m3", "scaling
     ids=["torchao-fp8-mixed", "torchao-mxfp8-mixed", "torchtitan-converted-base", "with-attention"],
 )
 def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch, quantize, base):
-    from low_bits_training.cli.config_checks import layer_backends, resolve_run
-    from low_bits_training.config.backends import GEMMS, detect_hardware, gemm_backend
+    from low_bits_training.cli.config_checks import checked_config, layer_backends
+    from low_bits_training.nn import GEMMS
+    from low_bits_training.nn.hardware import detect_hardware
+    from low_bits_training.plan.backends import gemm_backend
     from low_bits_training.titan.plan.targets import current_plans
 
     monkeypatch.syspath_prepend(str(REPO))  # the converted base lives in tests/
     toml = write_toml(clean_env / "run.toml", quantize=quantize)
-    status, config = resolve_run(str(toml), ["--job.base", base] if base else [])
+    status, config = checked_config(str(toml), ["--job.base", base] if base else [])
     assert status.status == "OK", status.detail
     doctor_view = layer_backends(config, detect_hardware())
     plans, modules = current_plans(config)  # what precision_plan.txt prints
@@ -354,21 +356,21 @@ def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch
 def test_doctor_runs_the_launchers_whole_check(clean_env):
     # A parallel layout the launcher refuses for NGPU processes (validate.check_run) is a FAIL here too,
     # with the launcher's own line.
-    from low_bits_training.cli.config_checks import resolve_run
+    from low_bits_training.cli.config_checks import checked_config
     from low_bits_training.titan.launch.launcher import check
 
     args = ["--parallelism.tensor_parallel_degree", "2", "--dump_folder", str(clean_env / "out")]
-    status, config = resolve_run("train_configs/debug_model.toml", args, {"NGPU": "1"})
+    status, config = checked_config("train_configs/debug_model.toml", args, {"NGPU": "1"})
     assert status.status == "FAIL" and config is None
     with pytest.raises(Exception) as launcher:
         check(["--config-file", "train_configs/debug_model.toml", *args], 1)
     assert status.detail == str(launcher.value)
-    status, _ = resolve_run("train_configs/debug_model.toml", args, {"NGPU": "2"})
+    status, _ = checked_config("train_configs/debug_model.toml", args, {"NGPU": "2"})
     assert status.status == "OK" and "2 process(es), a fresh start" in status.detail
 
 
 def test_every_layer_that_falls_back_says_why_in_doctor_and_the_plan_table(clean_env, monkeypatch):
-    # issue 29: config.backends.fallback_reason, one row (one line under the plan table) per group of layers.
+    # issue 29: plan.backends.fallback_reason, one row (one line under the plan table) per group of layers.
     from low_bits_training.titan.plan.targets import save_plan
 
     monkeypatch.chdir(REPO)
@@ -385,7 +387,7 @@ def test_every_layer_that_falls_back_says_why_in_doctor_and_the_plan_table(clean
         ("WARN", f"{names(0)}: {sr}"),
         ("WARN", f"{names(1)}: torchao emulated: MXFP8Linear kernels need CUDA SM100+, this is CUDA SM90"),
     ]
-    _, config = config_checks.resolve_run(mixed, ["--dump_folder", str(clean_env / "out")])
+    _, config = config_checks.checked_config(mixed, ["--dump_folder", str(clean_env / "out")])
     text = save_plan(config, clean_env / "run").read_text()  # this machine: a CPU
     assert text.endswith(
         "not on torchao's kernel (on CPU, backend = 'torchao'):\n"

@@ -10,7 +10,7 @@ import math
 from rich.console import Console
 
 from low_bits_training.cli.progress import SweepProgress, clock, eta_seconds
-from low_bits_training.config.runfolder import read_last_row, read_total_steps
+from low_bits_training.run.folder import read_last_row, read_total_steps
 
 
 def test_eta_and_clock():

@@ -15,7 +15,7 @@ import pytest
 from low_bits_training.cli import grid as grid_mod
 from low_bits_training.cli import scaling, sweep
 from low_bits_training.cli.grid import Grid, load_grid, override
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")

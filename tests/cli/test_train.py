@@ -25,7 +25,7 @@ def test_before_a_gpu_run_one_line_says_what_is_emulated_and_the_step_predicted(
     monkeypatch, capsys, tmp_path
 ):
     from low_bits_training.cli import train
-    from low_bits_training.config import backends
+    from low_bits_training.nn import hardware
 
     out = str(tmp_path / "run")  # not the checkout's outputs/debug_model (the README's first command's)
     debug = ["--check-only", "--", "--config-file", "train_configs/debug_model.toml", "--dump_folder", out]
@@ -34,7 +34,7 @@ def test_before_a_gpu_run_one_line_says_what_is_emulated_and_the_step_predicted(
     assert train.main([*debug, "deepseek_fp8"]) == 0  # this CPU: no line
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(
-        backends, "detect_hardware", lambda: backends.Hardware("cuda", (9, 0))
+        hardware, "detect_hardware", lambda: hardware.Hardware("cuda", (9, 0))
     )  # as on an H100
     assert train.main([*debug, "deepseek_fp8"]) == 0
     assert capsys.readouterr().err.splitlines() == [

@@ -2,7 +2,7 @@
 sees it."""
 
 from low_bits_training.config.argv import flag_names, flag_value, scan, take_flag
-from low_bits_training.config.secrets import REDACTED, redact_argv
+from low_bits_training.run.secrets import REDACTED, redact_argv
 
 
 def test_scan_forms():

@@ -9,9 +9,10 @@ from typing import Annotated, ClassVar, Literal
 import pytest
 
 from low_bits_training.config.numerics import NumericsConfig
-from low_bits_training.config.plan import Phase, PlanChange, QuantizeConfig, QuantRule
+from low_bits_training.config.quantize import Phase, PlanChange, QuantizeConfig, QuantRule
 from low_bits_training.config.section import AtLeast, Matches, Section
-from low_bits_training.config.tree import ConfigError, apply_dict, build_dataclass
+from low_bits_training.config.tree import apply_dict, build_dataclass
+from low_bits_training.errors import ConfigError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,7 +113,7 @@ def test_nested_values_are_refused_under_their_own_key():
 def test_recipe_names_are_the_table_keys():
     from typing import get_args
 
-    from low_bits_training.config.recipes import RECIPES, RecipeName
+    from low_bits_training.nn.recipes import RECIPES, RecipeName
 
     assert get_args(RecipeName) == tuple(RECIPES)
     assert QuantizeConfig(recipe="nvfp4", rules=[QuantRule(scaling="tile", block_size=16)]).recipe == "nvfp4"

@@ -5,7 +5,8 @@ from typing import Annotated, Literal
 
 import pytest
 
-from low_bits_training.config.tree import ConfigError, apply_dict, build_dataclass, diff
+from low_bits_training.config.tree import apply_dict, build_dataclass, diff
+from low_bits_training.errors import ConfigError
 
 
 class _Choice:

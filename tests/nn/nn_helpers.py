@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.nn import LinearPlan, quant_linear
+from low_bits_training.nn.recipes import recipe_specs
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from low_bits_training.config.recipes import RECIPES
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLE_NAMES, LinearPlan, QuantLinear
+from low_bits_training.nn.recipes import RECIPES
 
 
 def _plan() -> LinearPlan:

@@ -12,8 +12,8 @@ import torch
 from nn_helpers import saved_bytes
 from torch import nn
 
-from low_bits_training.config.recipes import RECIPES
 from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, functional, probe, rng
+from low_bits_training.nn.recipes import RECIPES
 
 QUANTIZED = [
     "fp8_tensorwise", "fp8_rowwise", "deepseek_fp8", "int8", "fp8_delayed",

@@ -11,8 +11,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from low_bits_training.config.recipes import RECIPES
 from low_bits_training.nn import LinearPlan, ProbeMode, QuantLinear, probe, rng
+from low_bits_training.nn.recipes import RECIPES
 
 DEVICE = torch.device("meta")
 QUANTIZED = [r for r, specs in RECIPES.items() if any(s is not None for s in specs.values())]

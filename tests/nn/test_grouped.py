@@ -7,17 +7,17 @@ import pytest
 import torch
 from nn_helpers import plan_for, saved_bytes, sqnr_db
 
-from low_bits_training.config.recipes import RECIPES
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan, functional, rng
 from low_bits_training.nn.cast import cast
 from low_bits_training.nn.functional import run_gemm
 from low_bits_training.nn.grouped import Groups, group_cast, grouped_linear, pad_multiple, run_grouped_gemm
+from low_bits_training.nn.recipes import RECIPES
 
 QUANTIZED = sorted(set(RECIPES) - {"bf16"})
 GROUPED = [r for r in QUANTIZED if not any(s and (s.rht or s.amax_history) for s in RECIPES[r].values())]
 """Recipes the grouped GEMM computes: an RHT or delayed scaling is refused for expert weights (one line,
-config/operand_options.py), so those recipes are not compared here."""
+plan/options.py), so those recipes are not compared here."""
 E, K, N = 4, 128, 128
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from low_bits_training.config.saved import SavedRule, resolve_saved, rule_format
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec, fake_quantize
 from low_bits_training.nn import saved
 

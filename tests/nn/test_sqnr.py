@@ -8,7 +8,7 @@ import pytest
 import torch
 from nn_helpers import linear_grads, operands, plan_for, sqnr_db
 
-from low_bits_training.config.recipes import RECIPES
+from low_bits_training.nn.recipes import RECIPES
 
 # recipe: (output, grad_input, grad_weight) SQNR floors in dB; None: high precision (no ceiling).
 FLOORS = {

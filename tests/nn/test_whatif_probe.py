@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from low_bits_training.config.numerics import NumericsConfig
-from low_bits_training.config.recipes import recipe_specs
 from low_bits_training.formats import QuantSpec, fake_quantize, grouped_shape, hadamard
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan, ProbeMode, QuantLinear, probe, rng
+from low_bits_training.nn.recipes import recipe_specs
 from low_bits_training.nn.whatif import WhatIf, WhatIfLinear, _keys, reset
 from low_bits_training.numerics import SIZE, operand_stats
 from low_bits_training.numerics.whatif import block_range, format_binades, summarize_whatif, whatif_stats

@@ -77,8 +77,8 @@ def test_clipping_counts_values_past_the_rounding_boundary_above_max():
     """Saturated: above the format's max; clipped: above max + half its top grid step (e4m3: 448 + 16), where
     round to nearest would have left the grid. NVFP4 on Gaussian data: a few percent saturated (a block's
     largest value lifted just past 6 when its ue4m3 scale rounds down), none clipped past 7."""
-    from low_bits_training.config.plan import LinearPlan
     from low_bits_training.formats.table import get_format
+    from low_bits_training.nn import LinearPlan
 
     assert [get_format(n).max_step for n in ("e2m1", "e4m3", "e5m2", "e3m2", "int8")] == [
         2.0,

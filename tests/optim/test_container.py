@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.optim import LowBitAdamW
 from low_bits_training.titan.runtime.optim import (
     LowBitOptimizersContainer,

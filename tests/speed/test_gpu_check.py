@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from helpers import REPO
-from low_bits_training.config import backends
 from low_bits_training.formats import FORMATS
 from low_bits_training.nn.recipes import RECIPES
+from low_bits_training.nn import hardware
 from low_bits_training.speed.gpu_check import block, catalog, compiling, parity, runner
 from low_bits_training.titan.platform import devices
 
@@ -179,7 +179,7 @@ def test_level_1_runs_on_the_cpu_build(tmp_path):
 
 
 def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
-    monkeypatch.setattr(backends, "detect_hardware", lambda: backends.Hardware("cuda", (9, 0)))
+    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.Hardware("cuda", (9, 0)))
     ran = []
     monkeypatch.setattr(
         parity, "torchao_vs_emulation", lambda r, d: ran.append(r) or parity.row("ok", recipe=r)
@@ -188,7 +188,7 @@ def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
     assert rows["mxfp8"]["status"] == "skip"
     assert rows["mxfp8"]["detail"] == "skip: MXFP8Linear kernels need CUDA SM100+, this is CUDA SM90"
     assert ran == ["fp8_tensorwise", "fp8_rowwise"]  # Float8Linear's kernels run on SM90
-    monkeypatch.setattr(backends, "detect_hardware", lambda: backends.Hardware("cuda", (10, 0)))
+    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.Hardware("cuda", (10, 0)))
     ran.clear()
     parity.torchao_rows(runner.Context("cuda", REPO, 0.0))
     assert ran == ["fp8_tensorwise", "fp8_rowwise", "mxfp8"]
@@ -256,11 +256,11 @@ def test_block_ratios_on_a_small_cpu_block():
     assert 0 < res["fp8_rowwise"]["eager"]["x_bf16"] < 1  # the emulation adds casts to the same GEMMs
     h100 = "NVIDIA H100 80GB HBM3"
     kernels, as_run = block.predicted(
-        "fp8_rowwise", block.LLAMA3_8B_BLOCK, h100, backends.Hardware("cuda", (9, 0))
+        "fp8_rowwise", block.LLAMA3_8B_BLOCK, h100, hardware.Hardware("cuda", (9, 0))
     )
     assert kernels > 1 and as_run == kernels  # torchao's Float8Linear runs every linear on an H100
     kernels, as_run = block.predicted(
-        "deepseek_fp8", block.LLAMA3_8B_BLOCK, h100, backends.Hardware("cuda", (9, 0))
+        "deepseek_fp8", block.LLAMA3_8B_BLOCK, h100, hardware.Hardware("cuda", (9, 0))
     )
     assert (
         as_run < 1 < kernels

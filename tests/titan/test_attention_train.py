@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import REPO, train, write_toml
-from low_bits_training.config.plan import QuantRule
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.config.quantize import QuantRule
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
 
 PRESET = REPO / "train_configs" / "recipes" / "debug_fp8_attention.toml"
@@ -118,7 +118,7 @@ def test_debug_model_trains_with_fp8_attention(tmp_path):
 def test_a_phase_that_quantizes_attention_later_builds_it_from_the_start():
     """Attention products switch plans mid-run: a module quantized only in a later phase is built as
     QuantAttention with its step-1 plans (high precision)."""
-    from low_bits_training.config.plan import Phase
+    from low_bits_training.config.quantize import Phase
     from low_bits_training.titan.plan.attention import quant_attention_class
     from low_bits_training.titan.plan.targets import apply_run, current_plans
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from helpers import REPO, train
-from low_bits_training.config.runfolder import STATE_BYTES_JSON, STATE_BYTES_METRIC
+from low_bits_training.run.folder import STATE_BYTES_JSON, STATE_BYTES_METRIC
 
 DEBUG = REPO / "train_configs" / "debug_model.toml"
 LOWBIT = REPO / "train_configs" / "optim" / "lowbit_adamw_int8.toml"

@@ -21,7 +21,7 @@ from torch import nn
 
 from helpers import free_port, leave_worker
 from low_bits_training.config.comm import CommConfig, WireFormat, wire_bytes, wire_spec
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec, derive_key, fake_quantize
 
 E4M3_AXIS = WireFormat(format="e4m3", scaling="axis")

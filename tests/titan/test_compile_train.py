@@ -59,7 +59,7 @@ def test_two_ranks_train_compiled(tmp_path, preset, recipe):
 
 
 def test_statistics_under_pp_and_compile_are_one_line_refusals():
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch.validate import Layout, check_numerics
     from low_bits_training.titan.runtime.numerics.monitor import layer_probes_work
 

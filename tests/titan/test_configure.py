@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DEBUG_TOML, REPO, write_toml
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.titan.launch.configure import (
     load_config,
     resolve_base,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import DEBUG_TOML, REPO, train, write_toml
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.titan.launch import failures, launcher
 from low_bits_training.titan.launch.configure import load_config
 from low_bits_training.titan.platform import compat, devices
@@ -46,7 +46,7 @@ def _linear_config():
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8"])
 def test_our_torchao_modules_apply_the_guard_when_built(unguarded, recipe):
-    from low_bits_training.config.backends import TorchaoOptions
+    from low_bits_training.config.quantize import TorchaoOptions
     from low_bits_training.nn import LinearPlan
     from low_bits_training.titan.plan.torchao_backend import layer_config
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from helpers import DEBUG_TOML, REPO, write_toml
-from low_bits_training.config.exits import ExitCode
 from low_bits_training.config.job import JobConfig
+from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.launch import launcher
 from low_bits_training.titan.runtime.trainer import LowBitsTrainer
 

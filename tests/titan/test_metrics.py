@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from low_bits_training.config.runfolder import FIRST_LOG, TPS
+from low_bits_training.run.folder import FIRST_LOG, TPS
 
 
 def _processor(tmp_path, steps: int, log_freq: int):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from helpers import REPO, train, write_toml
-from low_bits_training.config.plan import QuantizeConfig, QuantRule, resolve_plan
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule
+from low_bits_training.errors import ConfigError
+from low_bits_training.plan.resolve import resolve_plan
 
 MOE_TOML = REPO / "train_configs" / "debug_moe.toml"
 STEPS = ("--training.steps", "3", "--checkpoint.no-enable")
@@ -88,7 +89,7 @@ def test_padding_dispatcher_matches_torchao_indices():
         assert torch.equal(padded, torch.cat([x, torch.zeros(1, 5)])[idx]) and shape == (n + 1, 5)
 
 
-# --- torchao's grouped experts: which backend runs them (config.backends.grouped_backends) --------------------
+# --- torchao's grouped experts: which backend runs them (plan.backends.grouped_backends) --------------------
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_padding_dispatcher_matches_torchao_indices():
 )
 def test_expert_backend_follows_torchao_grouped_recipes(recipe, backend, hardware, expect):
     from low_bits_training.cli.doctor import hardware as named
-    from low_bits_training.config.backends import gemm_backend
+    from low_bits_training.plan.backends import gemm_backend
     from low_bits_training.titan.plan.moe import grouped_module_label
 
     cfg = QuantizeConfig(recipe=recipe, backend=backend, skip=[])
@@ -149,9 +150,9 @@ def test_torchao_emulated_grouped_mxfp8_computes_the_plan():
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
-    from low_bits_training.config.recipes import recipe_specs
     from low_bits_training.nn import LinearPlan
     from low_bits_training.nn.grouped import grouped_linear
+    from low_bits_training.nn.recipes import recipe_specs
 
     g = torch.Generator().manual_seed(0)
     e, k, n = 4, 128, 96

@@ -25,7 +25,7 @@ SEMI_PUBLIC = {
     "_scaled_dot_product_flash_attention_for_cpu": "an aten op name (profiling's FLOP table)",
     "_scaled_dot_product_flash_attention_for_cpu_backward": "an aten op name (profiling's FLOP table)",
 }
-BELOW_TITAN = ("formats", "numerics", "nn", "optim", "config", "data")
+BELOW_TITAN = ("formats", "numerics", "nn", "optim", "config", "data", "errors", "run", "plan")
 EXEMPT = ("titan/platform/compat.py", "titan/platform/cpu.py")
 
 

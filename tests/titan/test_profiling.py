@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from helpers import REPO, train
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.titan.runtime import profiling
 
 

@@ -91,7 +91,7 @@ def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
     ids=lambda p: p.stem,
 )
 def test_presets_load_and_validate(path):
-    from low_bits_training.config.plan import QuantizeConfig
+    from low_bits_training.config.quantize import QuantizeConfig
     from low_bits_training.titan.launch.configure import load_config
     from low_bits_training.titan.plan.targets import apply_run
 
@@ -193,7 +193,8 @@ def test_base_with_torchtitan_converters_works_with_quantize(tmp_path):
     ],
 )
 def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, want):
-    from low_bits_training.config.backends import Hardware, gemm_backend
+    from low_bits_training.nn.hardware import Hardware
+    from low_bits_training.plan.backends import gemm_backend
     from low_bits_training.titan.launch.configure import load_config
     from low_bits_training.titan.plan.attention import attention_layers
     from low_bits_training.titan.plan.targets import plan_on

@@ -90,7 +90,7 @@ def test_gemm_sizes_count_every_kind_per_token(tmp_path):
 
 
 def test_a_rule_that_names_the_router_reaches_it():
-    from low_bits_training.config.plan import QuantRule
+    from low_bits_training.config.quantize import QuantRule
 
     config = _load(MOE)
     rule = QuantRule(layers=["layers.0.moe.router.gate"], format="e4m3", scaling="tensor")
@@ -105,15 +105,17 @@ PHASE_AT_0 = {"phases": [{"start": 0, "recipe": "bf16"}], "recipe": "mxfp8"}
 
 @pytest.mark.parametrize("path", [*PRESETS, "phase-at-step-0"], ids=lambda p: getattr(p, "stem", p))
 def test_doctor_equals_launcher_and_resolves_once(tmp_path, monkeypatch, path):
-    from low_bits_training.cli.config_checks import layer_backends, resolve_run
-    from low_bits_training.config.backends import GEMMS, detect_hardware, gemm_backend
+    from low_bits_training.cli.config_checks import checked_config, layer_backends
+    from low_bits_training.nn import GEMMS
+    from low_bits_training.nn.hardware import detect_hardware
+    from low_bits_training.plan.backends import gemm_backend
 
     monkeypatch.chdir(REPO)
     if path == "phase-at-step-0":  # the launcher trains the phase's plan from step 1: doctor shows it too
         path = write_toml(tmp_path / "phase.toml", quantize=PHASE_AT_0)
     before = targets.RESOLUTIONS[0]
     ngpu = "2" if any(k in path.stem for k in ("tp2", "pp2", "fsdp")) else "1"  # the ranks the preset is for
-    status, config = resolve_run(str(path), ["--dump_folder", str(tmp_path / "out")], {"NGPU": ngpu})
+    status, config = checked_config(str(path), ["--dump_folder", str(tmp_path / "out")], {"NGPU": ngpu})
     assert status.status == "OK", status.detail
     doctor = layer_backends(config, detect_hardware())
     targets.save_plan(config, tmp_path / "run")
@@ -178,7 +180,7 @@ def test_every_recipe_resolves_on_every_debug_preset():
     # ``--quantize.recipe R`` on any debug preset (its own rules kept) is a plan the run can build.
     import dataclasses
 
-    from low_bits_training.config.recipes import RECIPES
+    from low_bits_training.nn.recipes import RECIPES
 
     failures, refused = [], []
     for path in PRESETS:

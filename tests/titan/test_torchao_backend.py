@@ -14,9 +14,10 @@ import pytest
 import torch
 from torchtitan.models.common.linear import Linear
 
-from low_bits_training.config.backends import TorchaoOptions, torchao_recipe
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule, TorchaoOptions
 from low_bits_training.nn import LinearPlan, quant_linear, torchao_modules
+from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.titan.plan.torchao_backend import (
     TorchaoFloat8Linear,
     TorchaoMXFP8Linear,
@@ -159,8 +160,10 @@ def test_plan_and_backend_choice_import_without_torchao_or_torchtitan():
 
     code = (
         "import sys; sys.modules['torchao'] = None; sys.modules['torchtitan'] = None\n"
-        "from low_bits_training.config.backends import detect_hardware, gemm_backend\n"
-        "from low_bits_training.config.plan import QuantizeConfig, LayerShape, resolve_plan\n"
+        "from low_bits_training.nn.hardware import detect_hardware\n"
+        "from low_bits_training.plan.backends import gemm_backend\n"
+        "from low_bits_training.config.quantize import QuantizeConfig\n"
+        "from low_bits_training.plan.resolve import LayerShape, resolve_plan\n"
         "import low_bits_training.nn.torchao_modules\n"
         "plan = resolve_plan(QuantizeConfig(recipe='mxfp8', skip=[]), {'w': LayerShape(256, 256, 256)})['w']\n"
         "print(gemm_backend(plan, 'forward'))\n"

@@ -3,7 +3,7 @@ eager and compiled, next to the speed model's prediction.
 
 The block is plain torch (no torchtitan): RMSNorm, a fused QKV projection, causal SDPA attention with
 grouped KV heads (no RoPE: it costs the same in every recipe), the output projection, RMSNorm and a SwiGLU
-FFN; its linears are what ``[quantize] backend = "auto"`` gives on this GPU (``config.backends``): torchao's
+FFN; its linears are what ``[quantize] backend = "auto"`` gives on this GPU (``plan.backends``): torchao's
 module where it has the kernel, our ``QuantLinear`` emulation elsewhere. Recipes are interleaved (each
 repeat runs every recipe, the order rotated) so clock and thermal drift hit all of them alike.
 """
@@ -70,7 +70,7 @@ class Block(nn.Module):
 
 def make_block(recipe: str, s: BlockShape, device: str, hw) -> tuple[Block, str]:
     """The block of ``recipe`` (bf16 parameters) and the backends its linears got (``layer_backends``)."""
-    from low_bits_training.config.backends import layer_backends
+    from low_bits_training.plan.backends import layer_backends
 
     plan, used = LinearPlan.from_recipe(recipe), set()
 
@@ -119,7 +119,7 @@ def predicted(recipe: str, s: BlockShape, device_name: str | None, hw=None) -> t
     """The speed model's step speedup over bf16 of this block on this GPU: as hardware kernels would run it,
     and as this package runs it (``predict(as_run=True)``: each linear's backend from ``layer_backends`` on
     ``hw``, emulated GEMMs at the emulation's dtype). None: a GPU the model does not know."""
-    from low_bits_training.config.backends import layer_backends
+    from low_bits_training.plan.backends import layer_backends
     from low_bits_training.speed import predict
     from low_bits_training.speed.gpus import gpu_for_device
     from low_bits_training.speed.workloads import decoder_targets, llama3
@@ -157,7 +157,7 @@ def warm(variants: dict, x, dy, ctx, mode: str) -> tuple[dict, dict[str, str]]:
 def measure(ctx, recipes=RECIPES, s: BlockShape = LLAMA3_8B_BLOCK, modes=("eager", "compiled"), repeats: int = 3,
             iters: int = 5) -> dict[str, dict]:  # fmt: skip
     """Per recipe: its backends, and per mode its median ms and ratio to bf16 (or why it has none)."""
-    from low_bits_training.config.backends import detect_hardware
+    from low_bits_training.nn.hardware import detect_hardware
 
     hw = detect_hardware()
     g = torch.Generator(device=ctx.device).manual_seed(0)
@@ -185,7 +185,7 @@ def measure(ctx, recipes=RECIPES, s: BlockShape = LLAMA3_8B_BLOCK, modes=("eager
 
 def block_rows(ctx) -> list[dict]:
     """One row per summary recipe: eager and compiled ratio to bf16 (a speedup: > 1 is faster), the model's."""
-    from low_bits_training.config.backends import detect_hardware
+    from low_bits_training.nn.hardware import detect_hardware
 
     name = torch.cuda.get_device_name(0) if ctx.device == "cuda" else None
     res, out, hw = measure(ctx), [], detect_hardware()

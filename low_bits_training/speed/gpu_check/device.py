@@ -1,4 +1,4 @@
-"""Checks of what this device runs: which backend takes each layer kind per recipe (``config.backends``),
+"""Checks of what this device runs: which backend takes each layer kind per recipe (``plan.backends``),
 and the fp32-accumulate GEMM against float64."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ LINEAR = (4096, 14336)
 def backend_rows(ctx) -> list[dict]:
     """Per summary recipe: the backend of each GEMM of a linear layer and of an MoE expert weight on this
     hardware under ``backend = "auto"``, and why a layer does not get torchao's kernel."""
-    from low_bits_training.config.backends import detect_hardware, fallback_reason, layer_backends
-    from low_bits_training.config.plan import LayerShape
+    from low_bits_training.nn.hardware import detect_hardware
+    from low_bits_training.plan.backends import fallback_reason, layer_backends
+    from low_bits_training.plan.resolve import LayerShape
 
     hw, out = detect_hardware(), []
     for recipe in RECIPES:

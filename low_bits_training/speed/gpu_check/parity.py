@@ -254,9 +254,10 @@ def torchao_vs_emulation(recipe: str, device: str, emulated: bool = False) -> di
 
 def torchao_rows(ctx) -> list[dict]:
     """Each summary recipe torchao computes: its kernel against our emulation where this GPU has the kernel,
-    else a skip with ``config.backends``' reason (MXFP8 needs SM100: no false failure on an H100)."""
-    from low_bits_training.config.backends import detect_hardware, torchao_kernel_refusal
+    else a skip with ``plan.backends``' reason (MXFP8 needs SM100: no false failure on an H100)."""
+    from low_bits_training.nn.hardware import detect_hardware
     from low_bits_training.nn.torchao_modules import torchao_recipe
+    from low_bits_training.plan.backends import torchao_kernel_refusal
 
     from .catalog import RECIPES as SUMMARY
 

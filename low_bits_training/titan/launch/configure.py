@@ -25,10 +25,7 @@ import tomli_w
 
 from low_bits_training.config.argv import flag_names, flag_value, scan
 from low_bits_training.config.job import BASE_SHAPE, JobConfig
-from low_bits_training.config.runfolder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML
-from low_bits_training.config.secrets import redact, redact_argv, wandb_credentials
 from low_bits_training.config.tree import (
-    ConfigError,
     apply_dict,
     coerce,
     diff,
@@ -37,6 +34,9 @@ from low_bits_training.config.tree import (
     named_choices,
     public_fields,
 )
+from low_bits_training.errors import ConfigError
+from low_bits_training.run.folder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML, write_atomic
+from low_bits_training.run.secrets import redact, redact_argv, wandb_credentials
 from low_bits_training.titan.platform.compat import config_function, config_manager
 from low_bits_training.titan.runtime.checkpoint import LowBitsCheckpointManager
 from low_bits_training.titan.runtime.metrics import LowBitsMetricsProcessor
@@ -102,7 +102,7 @@ def upgrade(cfg: Any, cls: type) -> Any:
 
 
 def wandb_configured(env: dict[str, str] | None = None) -> bool:
-    """True when the user has set W&B up (``config.secrets.wandb_credentials``, the one test)."""
+    """True when the user has set W&B up (``run.secrets.wandb_credentials``, the one test)."""
     return wandb_credentials(os.environ if env is None else env) is not None
 
 
@@ -391,16 +391,10 @@ def save_resolved(config: LowBitsTrainer.Config, folder: str | os.PathLike, argv
     )
     header += "".join(f"# not representable in TOML (left at the base's value): {k}\n" for k in lost)
     body = tomli_w.dumps(redact(changed))
-    _write(folder / CONFIG_TOML, header + body)
-    _write(folder / CONFIG_JSON, json.dumps(redact(config.to_dict()), indent=2, default=repr) + "\n")
-    _write(folder / COMMAND_TXT, " ".join(redact_argv(argv)) + "\n")
+    write_atomic(folder / CONFIG_TOML, header + body)
+    write_atomic(folder / CONFIG_JSON, json.dumps(redact(config.to_dict()), indent=2, default=repr) + "\n")
+    write_atomic(folder / COMMAND_TXT, " ".join(redact_argv(argv)) + "\n")
     return folder / CONFIG_TOML
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _pop_untomlable(d: dict[str, Any], where: str = "") -> list[str]:

@@ -17,8 +17,8 @@ import glob
 import os
 from pathlib import Path
 
-from low_bits_training.config.tree import ConfigError
 from low_bits_training.data.markov import build_corpus
+from low_bits_training.errors import ConfigError
 
 MARKOV_DEFAULT_PATH = "./assets/lbt_markov"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")

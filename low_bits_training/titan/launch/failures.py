@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from low_bits_training.config.exits import ENDINGS, ExitCode
+from low_bits_training.run.exits import ENDINGS, ExitCode
 
 
 class HoldBack(logging.Filter):

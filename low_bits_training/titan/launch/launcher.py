@@ -16,7 +16,7 @@ through it. In this process, before any rank starts:
   without torch.compile each rank is a fork of this process, whose imports are done (``start_method``: a
   1-step debug run, 35.0 s -> 21.4 s wall, 29.2 s -> 19.1 s CPU on a 2-core machine); otherwise each rank is
   a fresh interpreter, as torchrun starts it. A rank that ends on purpose
-  (``config/exits.py``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
+  (``run/exits.py``: 3 for a non-finite stop, 4 for a checkpoint refused at load) leaves its one line in
   torchrun's error file; it is printed here once, and this process exits with that rank's code. A crash keeps
   its traceback (from the rank, or from its error file where LOG_RANK hides that rank: ``crash_report``) and
   ends with exit code 1.
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from low_bits_training.config.exits import SIGNAL_BASE, ExitCode, classify
+from low_bits_training.run.exits import SIGNAL_BASE, ExitCode, classify
 from low_bits_training.titan.launch.failures import HoldBack, chosen_failure, crash_report, crashed, shown
 from low_bits_training.titan.launch.worker import UNDER_LAUNCHER
 from low_bits_training.titan.platform import noise
@@ -134,7 +134,7 @@ def check_accelerator(config, processes: int) -> None:
     """
     import torch
 
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.platform import cpu
 
     if not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
@@ -156,7 +156,7 @@ def check_gpu_count(args) -> None:
     import torch
     from torch.distributed.run import determine_local_world_size
 
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
 
     if not torch.cuda.is_available():
         return
@@ -270,7 +270,7 @@ def start_method(config) -> str:
     Raises:
         ConfigError: ``$LBT_START_METHOD`` is neither ``fork`` nor ``spawn``, or ``fork`` with an accelerator.
     """
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.platform import cpu
 
     on_cpu = cpu.needs_cpu_adapters()
@@ -359,7 +359,7 @@ def run_torchrun(args, method: str = "spawn") -> int:
 
 
 def main(argv: list[str] | None = None, notes: Callable[[Any], list[str]] | None = None) -> int:
-    """Check the config, then run torchrun; returns the exit code (``config/exits.py``: 0, 2 config, 3
+    """Check the config, then run torchrun; returns the exit code (``run/exits.py``: 0, 2 config, 3
     non-finite stop, 4 checkpoint, 1 crash, 128 + N for signal N).
 
     Args:

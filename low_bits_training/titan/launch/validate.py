@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 
 # (key, smallest allowed value, note); the key is the TOML / flag path.
 RANGES: tuple[tuple[str, float, str], ...] = (

@@ -6,7 +6,7 @@ checked the whole config before). What ``torchtitan.train.main`` does, plus: CPU
 other torchtitan import), the TOML layer, the project's datasets, and the run's own files (resolved config,
 precision plan) written once the run has really started: after the checkpoint, if any, was loaded.
 
-A run that cannot go on ends in one line and an exit code that says why (``config/exits.py``: ``ExitCode``,
+A run that cannot go on ends in one line and an exit code that says why (``run/exits.py``: ``ExitCode``,
 ``ENDINGS``); under the launcher the line goes to torchrun's error file and the launcher prints it once,
 whichever rank it came from.
 """
@@ -19,7 +19,7 @@ import sys
 import time
 
 from low_bits_training.config.argv import take_flag
-from low_bits_training.config.exits import ExitCode, classify
+from low_bits_training.run.exits import ExitCode, classify
 from low_bits_training.titan.platform import cpu, noise
 
 UNDER_LAUNCHER = "LBT_LAUNCHER"
@@ -48,7 +48,7 @@ def load_on_platform(config_file: str | None, rest: list[str], on_cpu: bool):
     Raises:
         ConfigError: one line.
     """
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch.configure import load_config
     from low_bits_training.titan.runtime.graphs import graphs_off_before_check
 
@@ -76,7 +76,7 @@ def build_config(argv: list[str]):
     Raises:
         ConfigError: one line, before any model is built.
     """
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch import datasets
     from low_bits_training.titan.plan.targets import apply_run
     from low_bits_training.titan.plan.torchao_backend import guard_torchao_modules
@@ -187,7 +187,7 @@ def refuse_this_machine() -> None:
     Raises:
         ConfigError: the refusal, one line.
     """
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.platform.devices import this_machine_refusal
 
     why = this_machine_refusal()

@@ -2,7 +2,7 @@
 
 torchtitan 0.3's attention modules (``GQAttention``, ``layers.N.attention``) hand Q, K, V to an inner
 attention (``.inner_attention``, FlexAttention for the llama3 and qwen3 bases). The plan names the two
-products of each ``<fqn>.qk`` / ``<fqn>.pv`` (``config.attention``, ``nn.attention``). Where the plan
+products of each ``<fqn>.qk`` / ``<fqn>.pv`` (``plan.attention``, ``nn.attention``). Where the plan
 quantizes one of them, ``convert_attention`` swaps the inner attention for ``QuantFlexAttention``: the
 FlexAttention interface and BlockMask, computed with the mask made dense (as the CPU adapter does) by
 ``nn.attention.quant_attention``. Where it does not, nothing changes: the same module, the same numbers.
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, fields
 
 from torchtitan.models.common.attention import BaseAttention, FlexAttention
 
-from low_bits_training.config.attention import check_attention_parallelism
-from low_bits_training.config.plan import LayerShape
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.attention import PRODUCTS, AttentionPlan, ProductState, quant_attention
+from low_bits_training.plan.attention import check_attention_parallelism
+from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
 from low_bits_training.titan.platform import cpu
 
@@ -76,7 +76,7 @@ def _attentions(model_config) -> list:
 
 def attention_layers(model_config, seq_len: int) -> dict[str, LayerShape]:
     """The plan entries of every covered attention module: ``<fqn>.qk`` / ``<fqn>.pv`` -> their shape as
-    a linear layer (``config.attention``)."""
+    a linear layer (``plan.attention``)."""
     out = {}
     for fqn, cfg in _attentions(model_config):
         h = getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from low_bits_training.config.comm import CommConfig, wire_bytes, wire_spec
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec, derive_key, fake_quantize
 from low_bits_training.nn import rng
 from low_bits_training.nn.cast import cast

@@ -11,7 +11,7 @@ torchtitan 0.3's MoE layers keep their routed experts in one ``GroupedExperts`` 
   dispatcher becomes ``PaddedTokenDispatcher``, which zero-pads each expert's token group to
   ``nn.grouped.pad_multiple`` (torchtitan's MXFP8 MoE converter does the same with torchao's
   ``permute_and_pad``, whose index kernel is triton-only);
-- where the resolved plan's backend is ``torchao`` (``config.backends.grouped_backends``: a torchao grouped
+- where the resolved plan's backend is ``torchao`` (``plan.backends.grouped_backends``: a torchao grouped
   recipe, MXFP8 RCEIL with or without a high-precision wgrad on SM100, fp8 rowwise on SM89, on hardware that
   has it): torchtitan's own ``MXFP8GroupedExperts`` / ``Float8GroupedExperts`` and its padding dispatcher.
   Not run here: no GPU was available; the plan table and lbt-doctor ``--hardware sm100`` say where it would.
@@ -36,11 +36,11 @@ from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
 from torchtitan.trainer import Trainer
 
-from low_bits_training.config.plan import LayerShape
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
 from low_bits_training.nn.torchao_modules import TorchaoGroupedRecipe, torchao_grouped_recipe
+from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
 from low_bits_training.titan.platform.compat import config_owner, grouped_experts_class, qwen3_builders
 
@@ -260,7 +260,7 @@ def convert_experts(model_config, plans: dict[str, LinearPlan], parallelism, pha
     Args:
         model_config: the model config tree.
         plans: the resolved plan of step 1 (``<experts fqn>.w1`` ... entries from ``expert_layers``; their
-            backends say which module runs them, ``config.backends.grouped_backends``).
+            backends say which module runs them, ``plan.backends.grouped_backends``).
         parallelism: ``config.parallelism``.
         phases: the plans of every phase and of evaluation (``Schedule.all``; default: ``plans`` alone). A
             module some phase quantizes is built as ours, its dispatcher padding for every phase's blocks,
@@ -312,8 +312,8 @@ def _convert(config, run) -> None:
     """``convert_experts``, and one log line where the recipe's options were left out for the experts."""
     from torchtitan.tools.logging import logger
 
-    from low_bits_training.config.operand_options import grouped_specs
-    from low_bits_training.config.recipes import recipe_specs
+    from low_bits_training.nn.recipes import recipe_specs
+    from low_bits_training.plan.options import grouped_specs
 
     phases = [p.plans for p in run.schedule.all()]
     convert_experts(config.model_spec.model, run.plans, config.parallelism, phases)

@@ -18,17 +18,14 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.backends import (
-    TorchaoOptions,
-    detect_hardware,
-    torchao_kernel_refusal,
-    torchao_recipe,
-    torchao_shape_refusal,
-)
-from low_bits_training.config.plan import LayerShape
+from low_bits_training.config.quantize import TorchaoOptions
 from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.hardware import detect_hardware
 from low_bits_training.nn.state import HISTORY_BUFFER, STATE_BUFFERS
+from low_bits_training.nn.torchao_modules import torchao_recipe
 from low_bits_training.nn.whatif import WhatIfLinear
+from low_bits_training.plan.backends import torchao_kernel_refusal, torchao_shape_refusal
+from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
 from low_bits_training.titan.platform.compat import torchao_config_of
 
@@ -65,7 +62,7 @@ class PrecisionPlanConverter(QuantizationConverter):
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config):
         plans: dict[str, LinearPlan] = field(default_factory=dict)
-        """Resolved plan: linear-layer FQN -> LinearPlan (see ``config.plan.resolve_plan``)."""
+        """Resolved plan: linear-layer FQN -> LinearPlan (see ``plan.resolve.resolve_plan``)."""
         torchao: TorchaoOptions = field(default_factory=TorchaoOptions)
         """``[quantize.torchao]`` for the layers whose plan says torchao."""
         keep: list[str] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """Precision schedules in the trainer: the plan each step uses, evaluation's own plan, the compile budget.
 
-The resolved ``config.schedule.Schedule`` is turned into behaviour here:
+The resolved ``plan.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
   change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: linear layers,
@@ -26,10 +26,10 @@ from collections.abc import Iterator
 import torch
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.schedule import PhasePlan, Schedule
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLE_NAMES, LinearPlan, ProbeMode, probe
 from low_bits_training.nn.state import QuantState
+from low_bits_training.plan.schedule import PhasePlan, Schedule
 from low_bits_training.titan.platform import compat
 
 _BLOCK = re.compile(r"^(layers\.\d+)\.")

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torchtitan.protocols.module import Module
 
-from low_bits_training.config.plan import LayerShape
 from low_bits_training.nn import LinearPlan
+from low_bits_training.plan.resolve import LayerShape
 
 
 def _none(*_args) -> dict:
@@ -32,7 +32,7 @@ def _nothing(*_args) -> None:
 class TargetKind:
     """One kind of plan target: where its entries come from and how the run treats them.
 
-    The GEMM kinds give entries (``LayerShape`` per FQN) that ``config.plan.resolve_plan`` resolves; a kind
+    The GEMM kinds give entries (``LayerShape`` per FQN) that ``plan.resolve.resolve_plan`` resolves; a kind
     without entries (the collectives) only checks and hooks the config (``convert``).
     """
 

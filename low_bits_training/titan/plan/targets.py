@@ -18,15 +18,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from low_bits_training.config.backends import Hardware, detect_hardware
 from low_bits_training.config.comm import wire_spec
-from low_bits_training.config.plan import LayerShape
-from low_bits_training.config.plan_table import fallbacks, format_fallbacks, format_plan, plan_to_json
-from low_bits_training.config.schedule import Schedule, check_switchable, resolve_schedule
-from low_bits_training.config.whatif import resolve_whatif
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.hardware import Hardware, detect_hardware
 from low_bits_training.nn.state import QuantState, live_targets
+from low_bits_training.plan.resolve import LayerShape
+from low_bits_training.plan.schedule import Schedule, check_switchable, resolve_schedule
+from low_bits_training.plan.table import fallbacks, format_fallbacks, format_plan, plan_to_json
+from low_bits_training.plan.whatif import resolve_whatif
 from low_bits_training.titan.plan import attention, comm, moe, quantize, saved
 from low_bits_training.titan.plan.target import TargetKind
 
@@ -107,7 +107,7 @@ def resolve_run(config, hw: Hardware | None = None, quantize_cfg=None) -> Resolv
         quantize_cfg: a ``[quantize]`` section to use instead of ``config.quantize`` (doctor ``--recipe``).
 
     Raises:
-        ConfigError: one line (``config.plan.resolve_plan``, ``config.schedule``, ``config.whatif``).
+        ConfigError: one line (``plan.resolve.resolve_plan``, ``plan.schedule``, ``plan.whatif``).
     """
     RESOLUTIONS[0] += 1
     hw = hw or detect_hardware()
@@ -163,7 +163,7 @@ def plan_text(
     run: ResolvedRun, plans: dict[str, LinearPlan], labels: dict[str, str], quantize
 ) -> tuple[str, list]:
     """The plan table (one per phase and the eval plan, each under its title, with a schedule), each followed
-    by why layers do not run torchao's kernel on the run's hardware (``config.plan_table.fallbacks``), then
+    by why layers do not run torchao's kernel on the run's hardware (``plan.table.fallbacks``), then
     the formats of what modules save for the backward (``[[quantize.saved]]``), and the schedule's JSON
     (empty without one).
 
@@ -199,7 +199,7 @@ def save_plan(config, folder: str | os.PathLike) -> Path:
     """
     from torchtitan.tools.logging import logger
 
-    from low_bits_training.config.runfolder import (
+    from low_bits_training.run.folder import (
         GEMM_SIZES_JSON,
         PLAN_JSON,
         PLAN_TEXT,

@@ -1,6 +1,6 @@
 """The torchao backend: torchao's training modules in torchtitan's config tree, for layers the plan hands them.
 
-A layer goes to torchao when ``config.backends.torchao_recipe`` finds a torchao module that computes its plan
+A layer goes to torchao when ``nn.torchao_modules.torchao_recipe`` finds a torchao module that computes its plan
 and ``layer_backends`` chose it. The modules are torchtitan's own classes over torchao's
 (``components/quantization/float8.py`` ``Float8Linear``, ``mx.py`` ``MXFP8Linear``), subclassed here to carry
 the layer's plan and torchao's options; torchtitan's *converters* are not used, because they
@@ -28,9 +28,11 @@ from torchtitan.components.quantization.float8 import Float8Linear as _TitanFloa
 from torchtitan.components.quantization.mx import MXFP8Linear as _TitanMXFP8Linear
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.backends import TorchaoOptions, detect_hardware, mxfp8_dim1_kernel
+from low_bits_training.config.quantize import TorchaoOptions
 from low_bits_training.nn import LinearPlan, torchao_modules
+from low_bits_training.nn.hardware import detect_hardware
 from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_recipe
+from low_bits_training.plan.backends import mxfp8_dim1_kernel
 from low_bits_training.titan.platform.compat import guard_fp8_stores
 
 
@@ -117,7 +119,7 @@ class TorchaoMXFP8Linear(_TitanMXFP8Linear):
 
 @functools.cache
 def available_dim1_kernel(requested: str) -> str:
-    """The MXFP8 dim-1 cast kernel this process can run for ``requested`` (``config.backends.mxfp8_dim1_kernel``
+    """The MXFP8 dim-1 cast kernel this process can run for ``requested`` (``plan.backends.mxfp8_dim1_kernel``
     on the detected hardware), logged once when it differs: torchao itself only warns at import when its CUDA
     extension is missing, and the first backward would then raise."""
     kernel, why = mxfp8_dim1_kernel(requested, detect_hardware())

@@ -96,7 +96,7 @@ UPSTREAM: dict[str, Upstream] = {
         "torch._C:_dispatch_has_kernel_for_dispatch_key",
         0,
         "",  # a C function: tests/titan/test_gpu_path.py checks what it says for a known op
-        "whether torchao's compiled MXFP8 dim-1 cast has a CUDA kernel (config/backends.py, which cannot "
+        "whether torchao's compiled MXFP8 dim-1 cast has a CUDA kernel (plan/backends.py, which cannot "
         "import this module, calls it directly: mxfp8_cuda_cast_built)",
     ),
     "inductor_as_eager": Upstream(
@@ -171,7 +171,7 @@ UPSTREAM: dict[str, Upstream] = {
         "torch.utils._triton:has_triton",
         208,
         "c77cb696cc0f4bef",
-        "whether Triton can compile here (config/backends.py reads it directly: config sits below titan)",
+        "whether Triton can compile here (plan/backends.py reads it directly: config sits below titan)",
     ),
     "fsdp_all_gather": Upstream(
         "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather",

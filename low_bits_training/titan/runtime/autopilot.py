@@ -31,10 +31,11 @@ from dataclasses import asdict, dataclass
 
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig, promote
-from low_bits_training.config.runfolder import read_jsonl
+from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig
 from low_bits_training.nn import ROLE_NAMES
 from low_bits_training.numerics import NonFinite
+from low_bits_training.plan.ladder import promote
+from low_bits_training.run.folder import read_jsonl
 from low_bits_training.titan.plan.targets import TARGETS
 from low_bits_training.titan.platform.ranks import is_rank0
 
@@ -218,7 +219,7 @@ class Autopilot:
             self._new_demotions += 1
 
     def _next(self, layer: str, role: str):
-        """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``config.autopilot.promote``),
+        """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``plan.ladder.promote``),
         the spec as the target takes it (``QuantState.fit_spec``: an expert weight drops RHT / delayed)."""
         target = self.layers[layer]
         got = promote(target.plan.spec(role), role, self.cfg.ladder)

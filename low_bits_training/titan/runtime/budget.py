@@ -4,7 +4,7 @@
 (torchtitan's param groups, our options), then counts bytes with ``optim.budget.state_bytes``: no tensor
 memory. ``measured`` sums ``optim.budget.live_bytes`` over every rank after an optimizer step. The trainer's
 first step in each process (``report``) logs both as a table, writes them to ``<dump_folder>/state_bytes.json``
-(``config.runfolder.STATE_BYTES_JSON``) and into the metrics (``memory/state_bytes_per_param/<state>``, measured,
+(``run.folder.STATE_BYTES_JSON``) and into the metrics (``memory/state_bytes_per_param/<state>``, measured,
 and ``.../plan_total``); lbt-doctor shows the computed table (``cli/config_checks.check_state_bytes``).
 
 Layout modelled: FSDP2 / HSDP (rows sharded over data_parallel_shard x context_parallel ranks, padded;
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from low_bits_training.config.runfolder import STATE_BYTES_JSON, STATE_BYTES_METRIC, write_atomic
 from low_bits_training.optim.budget import Sharding, StateBytes, format_budget, live_bytes, state_bytes
+from low_bits_training.run.folder import STATE_BYTES_JSON, STATE_BYTES_METRIC, write_atomic
 from low_bits_training.titan.platform.ranks import rank, world_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

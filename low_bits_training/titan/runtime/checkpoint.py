@@ -31,7 +31,8 @@ from typing import Any
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.exits import CheckpointError  # its exit code: config/exits.py
+from low_bits_training.run.exits import CheckpointError  # its exit code: run/exits.py
+from low_bits_training.run.folder import write_atomic
 from low_bits_training.titan.platform.compat import CheckpointHooks, checkpoint_path, find_load_step
 from low_bits_training.titan.platform.ranks import is_rank0
 
@@ -80,7 +81,7 @@ def fingerprint(config) -> dict[str, Any]:
 
 def _quantize_shape(quantize) -> Any:
     # The plan's shape: its evaluation plan is not (validation changes no state), and a schedule appears only
-    # when there is one, so checkpoints written before schedules existed still resume (config/schedule.py).
+    # when there is one, so checkpoints written before schedules existed still resume (plan/schedule.py).
     # Every phase of one schedule has the same fingerprint: a run resumes in whatever phase it stopped in.
     out = _plain(quantize)
     if isinstance(out, dict):
@@ -124,10 +125,7 @@ def write_manifest(path: str, fp: dict[str, Any]) -> None:
             if n != MANIFEST and not n.endswith(".tmp"):
                 full = os.path.join(root, n)
                 files[os.path.relpath(full, path)] = os.path.getsize(full)
-    tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"files": files, "fingerprint": fp}, f, indent=1)
-    os.replace(tmp, os.path.join(path, MANIFEST))
+    write_atomic(os.path.join(path, MANIFEST), json.dumps({"files": files, "fingerprint": fp}, indent=1))
 
 
 def verify(path: str, fp: dict[str, Any] | None) -> None:

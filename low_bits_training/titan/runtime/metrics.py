@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-from low_bits_training.config.runfolder import FIRST_LOG, METRICS_FILE, TPS, read_metrics
+from low_bits_training.run.folder import FIRST_LOG, METRICS_FILE, TPS, read_metrics
 from low_bits_training.titan.platform import cpu
 from low_bits_training.titan.platform.compat import MetricLoggerHook, metrics_rank
 from low_bits_training.titan.platform.ranks import rank

@@ -18,7 +18,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 from low_bits_training.optim import OPTIMIZERS
 
 TORCHAO_OPTIMIZERS = ("AdamW8bit", "AdamW4bit", "AdamWFp8")

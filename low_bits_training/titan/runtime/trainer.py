@@ -9,12 +9,12 @@ from torchtitan.trainer import Trainer
 
 from low_bits_training.config.job import JobConfig
 from low_bits_training.config.numerics import NumericsConfig
-from low_bits_training.config.plan import QuantizeConfig
 from low_bits_training.config.profiling import ProfilingConfig
-from low_bits_training.config.secrets import redact
+from low_bits_training.config.quantize import QuantizeConfig
 from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
 from low_bits_training.nn import saved as nn_saved
+from low_bits_training.run.secrets import redact
 from low_bits_training.titan.plan.comm import log_comm_bytes
 from low_bits_training.titan.plan.delayed import install as install_amax_group
 from low_bits_training.titan.plan.moe import zero_expert_counts

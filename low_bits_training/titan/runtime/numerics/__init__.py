@@ -4,7 +4,7 @@
 - ``monitor``: sets what the quantized layers' in-graph probes record each step and reads them (statistics
   reduced over ranks into ``numerics.jsonl`` and the metrics loggers; the first NaN / Inf named).
 - ``policy``: what a non-finite value does (warn / skip / stop); a stopped run's error and exit code are
-  ``config/exits.py``'s.
+  ``run/exits.py``'s.
 """
 
 from .monitor import NumericsMonitor, reduce_raw

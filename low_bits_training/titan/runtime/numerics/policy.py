@@ -1,5 +1,5 @@
 """What happens around torchtitan's step: the numerics monitor, the non-finite policy (its error and exit code
-live in ``config/exits.py``: ``NonFiniteError``, ``ExitCode.NONFINITE``)."""
+live in ``run/exits.py``: ``NonFiniteError``, ``ExitCode.NONFINITE``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import torch
 from torchtitan.tools.logging import logger
 
-from low_bits_training.config.exits import NonFiniteError
 from low_bits_training.numerics import NonFinite
+from low_bits_training.run.exits import NonFiniteError
 
 from .monitor import NumericsMonitor, layer_probes_work
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from low_bits_training.config.whatif import resolve_whatif
 from low_bits_training.nn import ROLE_NAMES
 from low_bits_training.nn.whatif import WhatIfLinear, reset
 from low_bits_training.numerics.whatif import whatif_identity, whatif_reduce_ops, whatif_rows
+from low_bits_training.plan.whatif import resolve_whatif
 
 
 def attach(layers: list[tuple[str, torch.nn.Module]], cfg) -> list[tuple[str, WhatIfLinear]]:

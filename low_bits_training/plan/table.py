@@ -1,9 +1,9 @@
 """The resolved precision plan as text (start-up log, ``precision_plan.txt``) and as JSON data.
 
 Layers whose names differ only in the transformer block index and whose plans (and modules) are identical
-collapse to one row group: ``layers.[0-5].attention.wqkv``. The backend column is ``config.backends.gemm_backend``:
+collapse to one row group: ``layers.[0-5].attention.wqkv``. The backend column is ``plan.backends.gemm_backend``:
 the same answer lbt-doctor and the benchmarks give. Under the table, one line per reason a group of layers does
-not run torchao's kernel (``config.backends.fallback_reason``, the answer lbt-doctor's fallback rows give).
+not run torchao's kernel (``plan.backends.fallback_reason``, the answer lbt-doctor's fallback rows give).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import dataclasses
 import re
 from collections import defaultdict
 
+from low_bits_training.config.quantize import TorchaoOptions
 from low_bits_training.nn import GEMMS, ROLES, LinearPlan
-
-from .backends import Hardware, TorchaoOptions, fallback_reason, gemm_backend
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.plan.backends import fallback_reason, gemm_backend
 
 _BLOCK = re.compile(r"^layers\.(\d+)\.")
 
@@ -104,7 +105,7 @@ def fallbacks(
 
     Args:
         plans: FQN -> resolved plan.
-        shapes: FQN -> ``config.plan.LayerShape`` of the plan's entries.
+        shapes: FQN -> ``plan.resolve.LayerShape`` of the plan's entries.
         hw: the hardware judged on.
         setting: ``[quantize] backend``.
         opts: ``[quantize.torchao]``.

@@ -2,13 +2,15 @@
 
 import pytest
 
-from low_bits_training.config.backends import Hardware
 from low_bits_training.config.numerics import NumericsConfig
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, resolve_plan
-from low_bits_training.config.recipes import recipe_specs
-from low_bits_training.config.tree import ConfigError, apply_dict
-from low_bits_training.config.whatif import resolve_whatif
+from low_bits_training.config.quantize import QuantizeConfig
+from low_bits_training.config.tree import apply_dict
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import ROLE_NAMES, ROLES
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.nn.recipes import recipe_specs
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
+from low_bits_training.plan.whatif import resolve_whatif
 
 LAYERS = {
     f"layers.{i}.{n}": LayerShape(256, 256, 256)

@@ -1,4 +1,4 @@
-"""One table of exit codes (config/exits.py): run_llama_train.sh's documented codes, its own ``exit``, the README's
+"""One table of exit codes (run/exits.py): run_llama_train.sh's documented codes, its own ``exit``, the README's
 table and the launcher's errors are all that enum."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 from helpers import REPO
-from low_bits_training.config.exits import (
+from low_bits_training.errors import ConfigError
+from low_bits_training.run.exits import (
     ENDINGS,
     SIGNAL_BASE,
     CheckpointError,
@@ -14,7 +15,6 @@ from low_bits_training.config.exits import (
     NonFiniteError,
     classify,
 )
-from low_bits_training.config.tree import ConfigError
 
 SCRIPT = (REPO / "run_llama_train.sh").read_text()
 WORDS = {"done": ExitCode.OK, "config": ExitCode.CONFIG, "non-finite": ExitCode.NONFINITE,
@@ -36,7 +36,7 @@ def test_readme_table_is_the_enum():
     codes = [c for c in re.findall(r"^\| (\S+) \|", table, re.M) if c != "code"]  # the header's
     assert codes == ["0", "2", "3", "4", "1", f"{SIGNAL_BASE}+N"]
     assert {int(c) for c in codes[:-1]} == {c.value for c in ExitCode}
-    assert "low_bits_training/config/exits.py" in readme.split("### Exit codes", 1)[1].split("##", 1)[0]
+    assert "low_bits_training/run/exits.py" in readme.split("### Exit codes", 1)[1].split("##", 1)[0]
 
 
 def test_every_ending_has_its_own_code_and_a_crash_has_none():

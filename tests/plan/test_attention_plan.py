@@ -1,12 +1,13 @@
-"""The attention products in the precision plan (config/attention.py): only rules that name them reach them,
+"""The attention products in the precision plan (plan/attention.py): only rules that name them reach them,
 their shapes refuse block sizes in one line naming the rule, head_dim and seq_len, and they always emulate."""
 
 import pytest
 
-from low_bits_training.config.backends import Hardware
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
-from low_bits_training.config.plan_table import format_plan
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule
+from low_bits_training.errors import ConfigError
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
+from low_bits_training.plan.table import format_plan
 
 HEAD, SEQ = 64, 256
 

@@ -16,20 +16,19 @@ all-reduced over its shards before it enters the history (``nn.cast``), as curre
 
 from __future__ import annotations
 
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLES
 from low_bits_training.nn.grouped import grouped_spec
 from low_bits_training.nn.roles import operand_problem
-
-from .attention import contraction
-from .tree import ConfigError
+from low_bits_training.plan.attention import contraction
 
 _OPTIONS = ("rht", "source", "amax_history")
 
 
 def _contraction(gemm: str, shape) -> tuple[str, int]:
     """(name, size) of a GEMM's contraction dim for a layer of this shape (tokens: the sequence length)."""
-    if shape.product:  # an attention product: head_dim or seq_len (config/attention.py)
+    if shape.product:  # an attention product: head_dim or seq_len (plan/attention.py)
         return contraction(shape, gemm)
     return {
         "forward": ("in_features", shape.in_features),
@@ -51,7 +50,7 @@ def grouped_specs(specs: dict[str, QuantSpec | None]) -> dict[str, QuantSpec | N
 def check_layer_options(
     fqn: str, specs: tuple[QuantSpec | None, ...], shape, where: str = "quantize"
 ) -> None:
-    """One layer's role specs against its shape (``config.plan.LayerShape``).
+    """One layer's role specs against its shape (``plan.resolve.LayerShape``).
 
     Args:
         fqn: the layer.

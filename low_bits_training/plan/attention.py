@@ -8,7 +8,7 @@ that matches attention products and no linear layer (``layers.*.attention.qk``, 
 ``*.attention.[qp][kv]``); globs that match linear layers, rules without ``layers``, ``first_n`` and
 ``last_n`` keep meaning linear layers. ``skip`` globs put the products they match back in high precision.
 
-As a linear layer each product has a shape (``config.plan.LayerShape``, ``product`` set): qk has in_features
+As a linear layer each product has a shape (``plan.resolve.LayerShape``, ``product`` set): qk has in_features
 = head_dim, out_features = seq_len (keys); pv has in_features = seq_len, out_features = head_dim; the token
 count is the sequence length of the queries.
 """
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import fnmatch
 
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import ROLES
-
-from .tree import ConfigError
 
 OPERANDS: dict[str, dict[str, tuple[str, tuple[str, str]]]] = {
     "qk": {

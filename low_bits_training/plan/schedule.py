@@ -27,10 +27,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from low_bits_training.config.backends import TORCHAO_BACKENDS, Hardware
-from low_bits_training.config.plan import LayerShape, PlanChange, QuantizeConfig, resolve_plan
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.config.quantize import PlanChange, QuantizeConfig
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.plan.backends import TORCHAO_BACKENDS
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class PhasePlan:
     first_step: int
     """The first training step it runs (0 for the eval plan)."""
     plans: dict[str, LinearPlan]
-    """FQN -> resolved plan (``config.plan.resolve_plan``)."""
+    """FQN -> resolved plan (``plan.resolve.resolve_plan``)."""
 
 
 @dataclass(frozen=True)

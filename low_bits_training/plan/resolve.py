@@ -1,8 +1,9 @@
-"""The precision plan: ``[quantize]`` (recipe, backend, skip, rules) -> one ``LinearPlan`` per linear layer.
+"""The precision plan resolved: ``[quantize]`` (recipe, backend, skip, rules) -> one ``LinearPlan`` per target.
 
 Resolution, in order: the recipe sets every role of every layer; each ``[[quantize.rules]]`` entry then
 changes the roles it names in the layers it selects; ``skip`` puts whole layers back in high precision; the
-backend is chosen per GEMM from the plan and the hardware (``config.backends``). Every mistake is a one-line ``ConfigError`` raised here, before the model is built.
+backend is chosen per GEMM from the plan and the hardware (``plan.backends``). Every mistake is a one-line
+``ConfigError`` raised here, before the model is built.
 """
 
 from __future__ import annotations
@@ -10,194 +11,30 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from dataclasses import dataclass, field
-from typing import Annotated, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from low_bits_training.config.autopilot import AutopilotConfig
-from low_bits_training.config.comm import CommConfig
-from low_bits_training.config.saved import SavedRule
-from low_bits_training.config.section import AtLeast, Retired, Section
-from low_bits_training.config.tree import ConfigError
-from low_bits_training.formats import QuantSpec, check_divisible
-from low_bits_training.formats.spec import (
-    AmaxCompute,
-    FourOverSix,
-    InfAmax,
-    RoundingMode,
-    ScaleFormat,
-    ScaleMin,
-    ScaleRounding,
-    Scaling,
-    Source,
-)
+from low_bits_training.config.quantize import RULE_SPEC_FIELDS, QuantizeConfig, QuantRule
+from low_bits_training.errors import ConfigError
+from low_bits_training.formats import HIGH, QuantSpec, check_divisible
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan
-
-from .attention import check_product_shapes, named_products
-from .backends import (
-    REAL_RETIRED,
-    BackendSetting,
-    Hardware,
-    TorchaoOptions,
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.nn.recipes import recipe_specs
+from low_bits_training.plan.attention import check_product_shapes, named_products
+from low_bits_training.plan.backends import (
     check_backend_setting,
     check_torchao_options,
     check_torchao_runs,
     layer_backends,
 )
-from .operand_options import check_layer_options, grouped_specs
-from .recipes import RECIPES, RecipeName
+from low_bits_training.plan.options import check_layer_options, grouped_specs
 
-HIGH = "high"
-_SPEC_FIELDS = (
-    "scaling",
-    "block_size",
-    "scale_format",
-    "scale_rounding",
-    "rounding",
-    "saturate",
-    "margin",
-    "tensor_scale",
-    "scale_min",
-    "inf_amax",
-    "four_over_six",
-    "amax_history",
-    "amax_compute",
-    "rht",
-    "rht_seed",
-    "source",
-)
-
-
-@dataclass(kw_only=True, slots=True)
-class QuantRule(Section):
-    """``[[quantize.rules]]``: change some roles of some layers (applied after the recipe, in order).
-
-    A ``Section``: each field is checked when the rule is built (as ``quantize.rules.<key>``; from TOML, and
-    inside a ``QuantizeConfig``, under its own index: ``quantize.rules[0].<key>``). What needs the layers or
-    the recipe (globs, first_n beyond the blocks, the specs it makes) is checked by ``resolve_plan``.
-    """
-
-    SECTION: ClassVar[str] = "quantize.rules"
-
-    layers: list[str] = field(default_factory=list)
-    """Globs over linear-layer FQNs (``layers.*.attention.*``, ``layers.0.*``, ``lm_head``). With first_n and
-    last_n all empty the rule selects every layer. The attention products (``layers.*.attention.qk`` /
-    ``.pv``) are reached only by a glob that matches no linear layer (``config.attention``)."""
-    first_n: Annotated[int, AtLeast(0)] = 0
-    """Also select every linear of the first N transformer blocks (``layers.0`` .. ``layers.N-1``)."""
-    last_n: Annotated[int, AtLeast(0)] = 0
-    """Also select every linear of the last N transformer blocks."""
-    roles: list[str] = field(default_factory=lambda: ["*"])
-    """Globs over roles: ``forward.input``, ``forward.weight``, ``dgrad.grad_output``, ``dgrad.weight``,
-    ``wgrad.grad_output``, ``wgrad.input``; e.g. ``wgrad.*``, ``*.weight``, ``*``."""
-    format: str | None = None
-    """Element format (``e4m3``, ``e2m1``, ``int8``, ...) or ``"high"`` for high precision. Unset: keep the
-    current format and change only the fields given below."""
-    scaling: Scaling | None = None
-    """QuantSpec.scaling: none | tensor | axis | block | tile (the axis is the GEMM's contraction dim)."""
-    block_size: Annotated[int | None, AtLeast(1)] = None
-    """QuantSpec.block_size (block length / tile side)."""
-    scale_format: ScaleFormat | None = None
-    """QuantSpec.scale_format: fp32 | bf16 | e8m0 | ue4m3."""
-    scale_rounding: ScaleRounding | None = None
-    """QuantSpec.scale_rounding: exact | floor | ceil | rceil."""
-    rounding: RoundingMode | None = None
-    """QuantSpec.rounding: nearest | stochastic | toward_zero."""
-    saturate: bool | None = None
-    """QuantSpec.saturate."""
-    margin: int | None = None
-    """QuantSpec.margin (power-of-two headroom)."""
-    tensor_scale: bool | None = None
-    """QuantSpec.tensor_scale (two-level scaling, NVFP4)."""
-    scale_min: ScaleMin | None = None
-    """QuantSpec.scale_min: subnormal | normal (smallest scale kept; "normal" is torchao's NVFP4 floor)."""
-    inf_amax: InfAmax | None = None
-    """QuantSpec.inf_amax: keep | nan (a group with an infinite amax; "nan" is torchao's fp8 behaviour)."""
-    four_over_six: FourOverSix | None = None
-    """QuantSpec.four_over_six: off | mse | mae (NVFP4 4over6 adaptive block scaling; e2m1 blocks/tiles)."""
-    amax_history: Annotated[int | None, AtLeast(0)] = None
-    """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
-    amax_compute: AmaxCompute | None = None
-    """QuantSpec.amax_compute: max | most_recent (delayed scaling: the amax taken from the history)."""
-    rht: Annotated[int | None, AtLeast(0)] = None
-    """QuantSpec.rht: 0 or the size of a random Hadamard transform along the GEMM's contraction dim (set it on
-    both operands of a GEMM, e.g. roles = ["wgrad.*"])."""
-    rht_seed: Annotated[int | None, AtLeast(0)] = None
-    """QuantSpec.rht_seed: seed of the RHT's sign vector."""
-    source: Source | None = None
-    """QuantSpec.source: high | forward (dgrad.weight / wgrad.input cast from the forward GEMM's cast)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class PlanChange(Section):
-    """``[quantize.eval]`` and the body of each ``[[quantize.phases]]`` entry: the ``[quantize]`` plan with
-    the keys given here replaced; a key left out keeps the base's (config/schedule.py resolves it)."""
-
-    SECTION: ClassVar[str] = "quantize.eval"
-
-    recipe: RecipeName | None = None
-    """The recipe of this plan (unset: ``[quantize] recipe``)."""
-    rules: list[QuantRule] | None = None
-    """Rules replacing ``[[quantize.rules]]`` in this plan (unset: the base's rules)."""
-    skip: list[str] | None = None
-    """Layers kept in high precision, replacing ``[quantize] skip`` in this plan (unset: the base's)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Phase(PlanChange):
-    """``[[quantize.phases]]``: from ``start`` on, training uses this plan (until the next phase)."""
-
-    SECTION: ClassVar[str] = "quantize.phases"
-
-    start: int | float = -1
-    """Where the phase begins: an int counts the steps before it (900: from step 901 on), a float in [0, 1)
-    is a fraction of ``training.steps`` (0.9 of 1000 steps: from step 901 on)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class QuantizeConfig(Section):
-    """``[quantize]``: which number format each GEMM operand of each linear layer uses.
-
-    A ``Section``: every field, those of its rules, phases, eval plan and comm tables included, is checked
-    when it is built; ``resolve_plan`` checks what needs the model's layers and the hardware.
-    """
-
-    SECTION: ClassVar[str] = "quantize"
-
-    recipe: RecipeName = "bf16"
-    """Named recipe for every layer: bf16 (no quantization), fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad,
-    deepseek_fp8, mxfp8, mxfp6, mxfp4, nvfp4, int8 (see docs/precision_plan.md)."""
-    backend: Annotated[BackendSetting, Retired("real", REAL_RETIRED)] = "auto"
-    """auto (torchao's module with its hardware kernel for every layer whose plan torchao has and whose
-    device has the kernel, our emulation for the rest), torchao (torchao's module for every layer whose plan
-    it has: its kernel where the device has one, else torchao's emulated mode), emulate (our fake-quantize +
-    fp32 matmul everywhere). See docs/precision_plan.md."""
-    skip: list[str] = field(default_factory=lambda: ["lm_head"])
-    """FQN globs of layers kept entirely in high precision (applied after the rules). Default: the output
-    projection, as torchao and Transformer Engine do."""
-    rules: list[QuantRule] = field(default_factory=list)
-    """Overrides applied after the recipe, in order."""
-    torchao: TorchaoOptions = field(default_factory=TorchaoOptions)
-    """torchao's own options for the layers the torchao backend runs (fp8 all-gather, cast kernels, ...)."""
-    phases: list[Phase] = field(default_factory=list)
-    """Precision schedule: plans that take over from a step on, in order (config/schedule.py)."""
-    eval: PlanChange = field(default_factory=PlanChange)
-    """``[quantize.eval]``: the plan of evaluation (torchtitan's validator); empty: the training plan of the
-    step it runs after."""
-    comm: CommConfig = field(default_factory=CommConfig)
-    """``[quantize.comm]``: low-bit FSDP2 weight all-gather and gradient reduce-scatter (config/comm.py)."""
-    saved: list[SavedRule] = field(default_factory=list)
-    """``[[quantize.saved]]``: the format of what chosen modules save for the backward (config/saved.py)."""
-    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
-    """``[quantize.autopilot]``: promote a failing role of a layer up a ladder during the run
-    (config/autopilot.py)."""
-
-
-TargetKind = Literal["linear", "router", "experts", "qk", "pv"]
+EntryKind = Literal["linear", "router", "experts", "qk", "pv"]
 """What a plan entry is: a linear layer, an MoE router gate (a linear kept high unless a rule names it), one
 stacked weight of an MoE experts module, or an attention product (``S = Q K^T`` / ``O = P V``)."""
 NAMED_ONLY: frozenset[str] = frozenset({"router", "qk", "pv"})
 """Kinds that start in high precision whatever the recipe; only a rule whose ``layers`` glob names them (and
-no entry of another kind) reaches them (``config.attention.named_products``)."""
+no entry of another kind) reaches them (``plan.attention.named_products``)."""
 
 
 @dataclass(frozen=True)
@@ -211,8 +48,8 @@ class LayerShape:
     dispatcher pads each expert's tokens to what the plan's blocks need)."""
     tp: int = 1
     """Tensor-parallel degree: block/tile scales must also fit a 1/tp shard of each feature dim."""
-    kind: TargetKind = "linear"
-    """What the entry is (see ``TargetKind``)."""
+    kind: EntryKind = "linear"
+    """What the entry is (see ``EntryKind``)."""
     copies: int = 1
     """How many times its GEMMs run per token: the query heads of an attention product, the experts each
     token is routed to (``top_k``) of an expert weight (the report's FLOP shares)."""
@@ -224,7 +61,7 @@ class LayerShape:
 
     @property
     def product(self) -> str:
-        """``qk`` / ``pv`` for an attention product (``config.attention``: always emulated); else empty."""
+        """``qk`` / ``pv`` for an attention product (``plan.attention``: always emulated); else empty."""
         return self.kind if self.kind in ("qk", "pv") else ""
 
     @property
@@ -269,7 +106,7 @@ def select_layers(
     """The FQNs (among ``fqns``, the layers the plan covers) a rule selects.
 
     ``products`` (attention products among ``fqns``) are selected only by globs that name them
-    (``config.attention.named_products``).
+    (``plan.attention.named_products``).
 
     Raises:
         ConfigError: a glob or first_n/last_n that selects nothing (see ``check_glob``).
@@ -313,7 +150,7 @@ def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSp
     """
     if rule.format == HIGH:
         return None
-    changes = {k: getattr(rule, k) for k in _SPEC_FIELDS if getattr(rule, k) is not None}
+    changes = {k: getattr(rule, k) for k in RULE_SPEC_FIELDS if getattr(rule, k) is not None}
     try:
         if rule.format is None:
             return None if current is None else dataclasses.replace(current, **changes)
@@ -338,12 +175,7 @@ def _apply_rules(
     products: set[str] = frozenset(),
     experts: set[str] = frozenset(),
 ) -> dict[str, dict[str, QuantSpec | None]]:
-    try:
-        from .recipes import recipe_specs
-
-        base = recipe_specs(cfg.recipe)
-    except KeyError as e:
-        raise ConfigError(e.args[0]) from None
+    base = recipe_specs(cfg.recipe, f"{where}.recipe")
     grouped = grouped_specs(base)  # expert weights: without the options their grouped GEMM lacks
     table = {
         f: dict.fromkeys(ROLE_NAMES) if f in products else dict(grouped if f in experts else base)
@@ -364,7 +196,7 @@ def _apply_rules(
     return table
 
 
-def _check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape, where: str = "quantize") -> None:
+def check_shapes(plan: LinearPlan, fqn: str, shape: LayerShape, where: str = "quantize") -> None:
     m, n, k = shape.tokens_multiple, shape.out_features, shape.in_features
     dims = {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}
     for role, spec in zip(ROLES, plan.specs, strict=True):
@@ -402,7 +234,7 @@ def resolve_plan(
     Args:
         cfg: the ``[quantize]`` section.
         layers: FQN -> shape of every linear layer the plan covers.
-        hw: the hardware it will run on (backend choice, see ``config.backends``); default: a CPU.
+        hw: the hardware it will run on (backend choice, see ``plan.backends``); default: a CPU.
         converted: FQN -> module name of layers the base's own torchtitan converters already swapped (not
             covered: ``skip`` may name them, rules may not).
         where: the TOML key errors name for ``cfg`` (a schedule's phase: ``quantize.phases[0]``).
@@ -423,8 +255,8 @@ def resolve_plan(
     plans = {}
     for fqn, by_role in table.items():
         specs, shape = tuple(by_role[r] for r in ROLE_NAMES), layers[fqn]
-        check_layer_options(fqn, specs, shape, where)  # RHT / source / delayed (config/operand_options.py)
-        if shape.product:  # attention: emulated only, sizes named by head_dim / seq_len (config/attention.py)
+        check_layer_options(fqn, specs, shape, where)  # RHT / source / delayed (plan/options.py)
+        if shape.product:  # attention: emulated only, sizes named by head_dim / seq_len (plan/attention.py)
             check_product_shapes(specs, fqn, shape, lambda r, f=fqn: _rule_key(cfg, f, r, layers, where))
             plans[fqn] = LinearPlan(specs)
             continue
@@ -432,18 +264,7 @@ def resolve_plan(
             LinearPlan(specs), cfg.backend, hw, shape.in_features, shape.out_features, shape.tp, shape.grouped
         )
         plans[fqn] = LinearPlan(specs, backends)
-        _check_shapes(plans[fqn], fqn, shape, where)
+        check_shapes(plans[fqn], fqn, shape, where)
     check_torchao_options(cfg.torchao, plans)
     check_torchao_runs(cfg.backend, plans, layers, hw, where)
     return plans
-
-
-__all__ = [
-    "RECIPES",
-    "Hardware",
-    "LayerShape",
-    "QuantRule",
-    "QuantizeConfig",
-    "TorchaoOptions",
-    "resolve_plan",
-]

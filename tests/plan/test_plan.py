@@ -2,12 +2,14 @@
 
 import pytest
 
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, TorchaoOptions, resolve_plan
-from low_bits_training.config.plan_table import format_plan, plan_to_json
-from low_bits_training.config.recipes import RECIPES
-from low_bits_training.config.tree import ConfigError, build_dataclass
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule, TorchaoOptions
+from low_bits_training.config.tree import build_dataclass
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLES, LinearPlan
+from low_bits_training.nn.recipes import RECIPES
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
+from low_bits_training.plan.table import format_plan, plan_to_json
 
 LAYERS = {
     f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)
@@ -151,12 +153,13 @@ def test_python_constructors_have_the_recipes_numerics():
         specs = {"input": inp, "weight": weight, "grad_output": grad}
         assert RECIPES[name] == {r.name: specs[r.operand] for r in ROLES}, name
     assert QuantSpec.mxfp8().scale_rounding == "rceil"  # torchao's training default (the OCP rule is floor)
-    with pytest.raises(ValueError, match=r"^unknown recipe 'mxfp9': expected one of bf16, fp8_tensorwise,"):
+    with pytest.raises(ValueError, match=r"^recipe = 'mxfp9': expected one of bf16, fp8_tensorwise,"):
         LinearPlan.from_recipe("mxfp9")
 
 
 def test_a_rule_with_a_new_format_drops_the_bound_options_it_cannot_hold():
-    from low_bits_training.config.plan import QuantRule, rule_spec
+    from low_bits_training.config.quantize import QuantRule
+    from low_bits_training.plan.resolve import rule_spec
 
     nvfp4_4over6 = QuantSpec("e2m1", "block", block_size=16, scale_format="ue4m3", four_over_six="mse")
     mx = rule_spec(QuantRule(format="e4m3", block_size=32, scale_format="e8m0"), nvfp4_4over6, "q.rules[0]")

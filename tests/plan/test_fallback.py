@@ -1,20 +1,15 @@
-"""Why a layer does not get torchao's kernel (``config.backends.fallback_reason``), per recipe and simulated
+"""Why a layer does not get torchao's kernel (``plan.backends.fallback_reason``), per recipe and simulated
 GPU, and the MXFP8 dim-1 cast kernel checked, not assumed (issue 29)."""
 
 from __future__ import annotations
 
 import pytest
 
-from low_bits_training.config.backends import (
-    Hardware,
-    detect_hardware,
-    fallback_reason,
-    mxfp8_cuda_cast_built,
-    mxfp8_dim1_kernel,
-)
-from low_bits_training.config.plan import LayerShape
-from low_bits_training.config.recipes import RECIPES
 from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.hardware import Hardware, detect_hardware, mxfp8_cuda_cast_built
+from low_bits_training.nn.recipes import RECIPES
+from low_bits_training.plan.backends import fallback_reason, mxfp8_dim1_kernel
+from low_bits_training.plan.resolve import LayerShape
 
 CPU, H100, B200 = Hardware(), Hardware("cuda", (9, 0)), Hardware("cuda", (10, 0))
 B200_NO_CAST = Hardware("cuda", (10, 0), mxfp8_cuda_cast=False)
@@ -82,7 +77,7 @@ def test_the_mxfp8_dim1_cast_kernel_is_checked():
 def test_an_mxfp8_module_casts_with_a_kernel_that_exists(monkeypatch):
     from torchtitan.models.common.linear import Linear
 
-    from low_bits_training.config.backends import TorchaoOptions
+    from low_bits_training.config.quantize import TorchaoOptions
     from low_bits_training.titan.plan import torchao_backend
 
     monkeypatch.setattr(torchao_backend, "detect_hardware", lambda: B200_NO_CAST)
@@ -99,7 +94,7 @@ def test_an_mxfp8_module_casts_with_a_kernel_that_exists(monkeypatch):
 
 def test_the_plan_table_says_why_each_group_of_layers_falls_back():
     # fallbacks() groups fallback_reason by reason, layer names collapsed as the plan table collapses them.
-    from low_bits_training.config.plan_table import fallbacks, format_fallbacks
+    from low_bits_training.plan.table import fallbacks, format_fallbacks
 
     rowwise, nvfp4 = LinearPlan.from_recipe("fp8_rowwise"), LinearPlan.from_recipe("nvfp4")
     plans = {f"layers.{i}.w": rowwise for i in range(3)} | {"layers.1.v": nvfp4, "lm_head": LinearPlan()}
@@ -123,8 +118,9 @@ def test_the_plan_table_says_why_each_group_of_layers_falls_back():
 def test_backend_torchao_refuses_a_plan_torchao_runs_none_of(recipe):
     # issue 29: backend = "torchao" on a plan torchao has no module for is one line naming key, value, reason
     # and what is allowed; a plan torchao runs (in part: the other layers stay ours, with their reason) passes.
-    from low_bits_training.config.plan import QuantizeConfig, resolve_plan
-    from low_bits_training.config.tree import ConfigError
+    from low_bits_training.config.quantize import QuantizeConfig
+    from low_bits_training.errors import ConfigError
+    from low_bits_training.plan.resolve import resolve_plan
 
     layers = dict.fromkeys(
         ["layers.0.w", "layers.1.w", "lm_head"], LayerShape(256, 512, 256)
@@ -146,7 +142,8 @@ def test_backend_torchao_refuses_a_plan_torchao_runs_none_of(recipe):
 
 
 def test_backend_torchao_keeps_a_plan_it_runs_in_part():
-    from low_bits_training.config.plan import QuantizeConfig, QuantRule, resolve_plan
+    from low_bits_training.config.quantize import QuantizeConfig, QuantRule
+    from low_bits_training.plan.resolve import resolve_plan
 
     layers = dict.fromkeys(
         ["layers.0.w", "layers.1.w", "lm_head"], LayerShape(256, 512, 256)

@@ -1,4 +1,4 @@
-"""What-if statistics, the config side: which alternative formats, measured on which layers and roles.
+"""What-if statistics, resolved: which alternative formats, measured on which layers and roles.
 
     [numerics]
     stats_freq = 10
@@ -20,72 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any
 
-from low_bits_training.config.backends import TORCHAO_BACKENDS
-from low_bits_training.config.operand_options import check_layer_options
-from low_bits_training.config.plan import LayerShape, _check_shapes, check_glob, select_roles
-from low_bits_training.config.recipes import RECIPES, recipe_specs
-from low_bits_training.config.tree import ConfigError, build_dataclass
+from low_bits_training.config.numerics import alternative
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan
 from low_bits_training.nn.whatif import WhatIf
-
-
-def custom_spec(name: str, table: Any) -> QuantSpec:
-    """The QuantSpec of ``[numerics.whatif_specs.<name>]``.
-
-    Raises:
-        ConfigError: not a table, an ``axis`` key (the axis is always the GEMM's contraction dim), an unknown
-            key or a value QuantSpec refuses.
-    """
-    where = f"numerics.whatif_specs.{name}"
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where} = {table!r}: expected a table of QuantSpec fields (format = 'e2m1', ...)")
-    if "axis" in table:
-        raise ConfigError(f"{where}.axis: not a key; the axis is always the GEMM's contraction dim")
-    return build_dataclass(QuantSpec, table, where)
-
-
-def alternative(name: str, custom: dict[str, Any]) -> dict[str, QuantSpec | None]:
-    """Role name -> spec of one alternative (a custom spec first, else the recipe of that name)."""
-    if name in custom:
-        return dict.fromkeys(ROLE_NAMES, custom_spec(name, custom[name]))
-    return recipe_specs(name)
-
-
-def check_names(names: list[str], custom: dict[str, Any], stats_freq: int) -> None:
-    """The ``[numerics]`` what-if keys on their own (no model needed).
-
-    Raises:
-        ConfigError: an unknown or repeated name, a custom spec that is invalid or not listed, a recipe that
-            measures nothing (bf16), or what-if without statistics steps.
-    """
-    for name in custom:
-        custom_spec(name, custom[name])
-        if name in RECIPES:
-            raise ConfigError(
-                f"numerics.whatif_specs.{name}: the name of a recipe; give the table another name"
-            )
-        if name not in names:
-            raise ConfigError(f"numerics.whatif_specs.{name}: not listed in numerics.whatif = {names!r}")
-    for name in names:
-        if names.count(name) > 1:
-            raise ConfigError(f"numerics.whatif = {names!r}: {name!r} is listed twice")
-        if name not in custom and name not in RECIPES:
-            raise ConfigError(
-                f"numerics.whatif = {names!r}: {name!r} is neither a recipe ({', '.join(RECIPES)}) nor a "
-                "numerics.whatif_specs table"
-            )
-        if all(s is None for s in alternative(name, custom).values()):
-            raise ConfigError(
-                f"numerics.whatif = {names!r}: {name!r} keeps every role high; it measures nothing"
-            )
-    if names and not stats_freq:
-        raise ConfigError(
-            f"numerics.whatif = {names!r}: needs numerics.stats_freq > 0 (what-if statistics are recorded on "
-            "statistics steps)"
-        )
+from low_bits_training.plan.backends import TORCHAO_BACKENDS
+from low_bits_training.plan.options import check_layer_options
+from low_bits_training.plan.resolve import LayerShape, check_glob, check_shapes, select_roles
 
 
 def check_fits(fqn: str, specs: tuple[QuantSpec | None, ...], shape: LayerShape, where: str) -> None:
@@ -96,7 +39,7 @@ def check_fits(fqn: str, specs: tuple[QuantSpec | None, ...], shape: LayerShape,
         ConfigError: the plan's own one-line messages, named by ``where``.
     """
     plain = tuple(None if s is None else dataclasses.replace(s, rht=0, source="high") for s in specs)
-    _check_shapes(LinearPlan(plain), fqn, shape, where)
+    check_shapes(LinearPlan(plain), fqn, shape, where)
     for role, s in zip(ROLES, specs, strict=True):
         if (
             s is not None and s.rht

@@ -18,101 +18,17 @@ torchao) is ``fallback_reason``: one answer for the plan table, lbt-doctor and t
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.config.quantize import BackendSetting, TorchaoOptions
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
+from low_bits_training.nn.hardware import Hardware
 from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
 
-BackendSetting = Literal["emulate", "torchao", "auto"]
-"""``[quantize] backend``: emulate (ours everywhere), torchao (torchao's module for every layer whose plan it
-has: its kernel where the device has one, else its emulated mode), auto (torchao where the device has the
-kernel, ours elsewhere)."""
-BACKEND_SETTINGS: tuple[str, ...] = get_args(BackendSetting)
-REAL_RETIRED = (
-    "the hand-written _scaled_mm backend is a Python-only reference now; real kernels come from torchao"
-)
-"""Said when a config asks for the retired backend setting ``real``."""
 GemmBackend = Literal["high", "emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
 TORCHAO_BACKENDS = ("torchao", "torchao_emulated")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What a device offers the backend choice: detected (``detect_hardware``) or named (doctor, tests)."""
-
-    kind: Literal["cpu", "cuda"] = "cpu"
-    capability: tuple[int, int] | None = None
-    """CUDA compute capability (9, 0) for H100, (10, 0) for B200; None on CPU."""
-    torchao: bool = True
-    """torchao is importable (training also needs torchtitan, which the launcher always has)."""
-    mxfp8_cuda_cast: bool = True
-    """torchao's compiled extension has the MXFP8 dim-1 cast kernel (``torch.ops.torchao.mxfp8_quantize``
-    with a CUDA kernel: torchao built for this torch, CUDA >= 12.8, SM100). Named hardware (doctor, tests)
-    assumes it; ``detect_hardware`` checks it."""
-    triton: bool = True
-    """Triton can compile for this device (torchao's Triton casts; ``torch.utils._triton.has_triton``)."""
-
-    def has(self, need: tuple[int, int]) -> bool:
-        """True on a CUDA device of at least compute capability ``need``."""
-        return self.kind == "cuda" and self.capability is not None and self.capability >= need
-
-    def __str__(self) -> str:
-        return "CPU" if self.capability is None else f"CUDA SM{self.capability[0]}{self.capability[1]}"
-
-
-def detect_hardware() -> Hardware:
-    """The hardware this process runs on (the first CUDA device, or the CPU)."""
-    import torch
-
-    have_ao = importlib.util.find_spec("torchao") is not None
-    if not torch.cuda.is_available():
-        return Hardware("cpu", None, have_ao, mxfp8_cuda_cast=False, triton=False)
-    from torch.utils._triton import has_triton
-
-    capability = tuple(torch.cuda.get_device_capability(0))
-    return Hardware("cuda", capability, have_ao, have_ao and mxfp8_cuda_cast_built(), has_triton())
-
-
-def mxfp8_cuda_cast_built() -> bool:
-    """True when ``torch.ops.torchao.mxfp8_quantize`` exists with a CUDA kernel. torchao defines the op's
-    schema on SM100 with CUDA >= 12.8 (prototype/mx_formats/kernels.py) and its compiled extension registers
-    the kernel (it does so on any machine: a kernel without a schema is no op); where the extension did not
-    load for this torch build, torchao only warns, and the first backward of an MXFP8 layer would raise. (``torch._C._dispatch_has_kernel_for_dispatch_key``: listed in
-    titan/platform/compat.py ``UPSTREAM``.)"""
-    import torch
-
-    try:
-        import torchao.prototype.mx_formats.kernels  # noqa: F401  (defines the op where it can exist)
-
-        defined = hasattr(torch.ops.torchao, "mxfp8_quantize")  # the schema: only where torchao defines it
-        return defined and torch._C._dispatch_has_kernel_for_dispatch_key("torchao::mxfp8_quantize", "CUDA")
-    except (ImportError, RuntimeError):  # RuntimeError: the op is not defined here
-        return False
-
-
-@dataclass(kw_only=True, slots=True)
-class TorchaoOptions:
-    """``[quantize.torchao]``: torchao's own switches for the layers the torchao backend runs."""
-
-    enable_fsdp_float8_all_gather: bool = False
-    """Float8Linear: FSDP2 all-gathers the weight in fp8 (half the bytes of bf16). Needs tensorwise weight
-    scaling in every Float8 layer (fp8_tensorwise) and data_parallel_shard_degree > 1 to matter."""
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """With fp8 all-gather: compute every weight's scale in one all-reduce after each optimizer step instead
-    of one per layer in forward (torchao's ``precompute_float8_dynamic_scale_for_fsdp``)."""
-    float8_fast_accum_forward: bool = True
-    """Float8Linear: the forward GEMM accumulates with cuBLAS fast accumulation (torchao's default; the
-    backward GEMMs never do). No effect in torchao's emulated mode."""
-    pad_inner_dim: bool = False
-    """Float8Linear: pad the GEMM's inner dim to a multiple of 16 (torchao ``pad_inner_dim``)."""
-    mxfp8_dim0_cast_kernel: Literal["triton", "torch"] = "triton"
-    """MXFP8Linear: kernel for MX casts along dim 0 (torchao ``MXFP8Dim0CastKernelChoice``)."""
-    mxfp8_dim1_cast_kernel: Literal["cuda", "triton", "torch", "cutedsl"] = "cuda"
-    """MXFP8Linear: kernel for MX casts along dim 1 (torchao ``MXFP8Dim1CastKernelChoice``)."""
 
 
 def torchao_kernel_refusal(recipe: TorchaoRecipe, hw: Hardware) -> str | None:
@@ -236,7 +152,7 @@ def fallback_reason(plan: LinearPlan, shape, hw: Hardware, setting: str, opts: T
 
     Args:
         plan: the layer's plan (numerics; its backends are not read).
-        shape: its ``config.plan.LayerShape`` (in_features, out_features, tp, grouped).
+        shape: its ``plan.resolve.LayerShape`` (in_features, out_features, tp, grouped).
         hw: the hardware (``detect_hardware``, or named: ``Hardware("cuda", (10, 0))``).
         setting: ``[quantize] backend``.
         opts: ``[quantize.torchao]`` (the MXFP8 dim-1 cast kernel asked for; default: torchao's).
@@ -300,7 +216,7 @@ def check_torchao_runs(
     Args:
         setting: ``[quantize] backend``.
         plans: FQN -> resolved plan (its backends set).
-        shapes: FQN -> ``config.plan.LayerShape``.
+        shapes: FQN -> ``plan.resolve.LayerShape``.
         hw: the hardware.
         where: the plan's TOML section (a phase: ``quantize.phases[0]``).
 

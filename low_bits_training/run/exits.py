@@ -1,5 +1,5 @@
 """How a run ends: the one table of exit codes, for the launcher, every rank, the cli tools and
-``run_llama_train.sh`` (README, "Exit codes"; ``tests/config/test_exits.py`` holds the script's and the
+``run_llama_train.sh`` (README, "Exit codes"; ``tests/run/test_exits.py`` holds the script's and the
 README's numbers to this enum).
 
 A run that cannot go on raises one of the errors in ``ENDINGS``; the launcher turns it into one line
@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.errors import ConfigError
 
 
 class ExitCode(enum.IntEnum):

@@ -7,14 +7,17 @@ import json
 
 import pytest
 
-from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig, promote
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
-from low_bits_training.config.schedule import resolve_schedule
-from low_bits_training.config.tree import ConfigError, build_dataclass
+from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule
+from low_bits_training.config.tree import build_dataclass
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.state import QuantState
 from low_bits_training.numerics import NonFinite
+from low_bits_training.plan.ladder import promote
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
+from low_bits_training.plan.schedule import resolve_schedule
 from low_bits_training.titan.plan.schedule import PrecisionSchedule
 from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable, robust_z
 from low_bits_training.titan.runtime.snapshot import Snapshot, Snapshots

@@ -1,10 +1,11 @@
-"""Issue 13's operand options against a layer's shape and placement (config/operand_options.py), through
+"""Issue 13's operand options against a layer's shape and placement (plan/options.py), through
 ``resolve_plan`` as the launcher calls it: one line naming the key, the layer, the role and the number."""
 
 import pytest
 
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, resolve_plan
-from low_bits_training.config.tree import ConfigError
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule
+from low_bits_training.errors import ConfigError
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
 
 
 def _plan(rule: QuantRule, shape: LayerShape, recipe: str = "nvfp4"):

@@ -2,17 +2,12 @@
 
 import pytest
 
-from low_bits_training.config.backends import Hardware
-from low_bits_training.config.plan import (
-    LayerShape,
-    Phase,
-    PlanChange,
-    QuantizeConfig,
-    QuantRule,
-    resolve_plan,
-)
-from low_bits_training.config.schedule import check_switchable, first_step, resolve_schedule
-from low_bits_training.config.tree import ConfigError, apply_dict, build_dataclass
+from low_bits_training.config.quantize import Phase, PlanChange, QuantizeConfig, QuantRule
+from low_bits_training.config.tree import apply_dict, build_dataclass
+from low_bits_training.errors import ConfigError
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
+from low_bits_training.plan.schedule import check_switchable, first_step, resolve_schedule
 
 LAYERS = {
     f"layers.{i}.{n}": LayerShape(256, 768 if n == "feed_forward.w1" else 256, 256)

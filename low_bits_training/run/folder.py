@@ -92,9 +92,9 @@ PLAN_TEXT = "precision_plan.txt"
 """The plan table of the run (one per phase with a schedule), as logged at the start
 (``titan/plan/targets.py``)."""
 PLAN_JSON = "precision_plan.json"
-"""The plan of step 1, one object per entry (``config.plan_table.plan_to_json``)."""
+"""The plan of step 1, one object per entry (``plan.table.plan_to_json``)."""
 GEMM_SIZES_JSON = "gemm_sizes.json"
-"""FQN -> ``[in_features, out_features, copies]`` of every entry of the plan (``config.plan.LayerShape``):
+"""FQN -> ``[in_features, out_features, copies]`` of every entry of the plan (``plan.resolve.LayerShape``):
 each of its three GEMMs does 2 x tokens x in x out x copies FLOPs per step (the report's share of GEMM
 FLOPs per format reads it)."""
 SCHEDULE_JSON = "precision_schedule.json"

@@ -4,13 +4,17 @@ import dataclasses
 
 import pytest
 
-from low_bits_training.config.backends import Hardware, gemm_backend, torchao_recipe
-from low_bits_training.config.plan import LayerShape, QuantizeConfig, QuantRule, TorchaoOptions, resolve_plan
-from low_bits_training.config.plan_table import format_plan, plan_to_json
-from low_bits_training.config.recipes import RECIPES
-from low_bits_training.config.tree import ConfigError, build_dataclass
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule, TorchaoOptions
+from low_bits_training.config.tree import build_dataclass
+from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import GEMMS, LinearPlan
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.nn.recipes import RECIPES
+from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.plan.backends import gemm_backend
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
+from low_bits_training.plan.table import format_plan, plan_to_json
 
 LAYERS = {f"layers.{i}.w": LayerShape(256, 768, 256) for i in range(2)}
 LAYERS["lm_head"] = LayerShape(256, 2048, 256)
