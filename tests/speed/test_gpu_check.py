@@ -14,8 +14,8 @@ import torch
 
 from helpers import REPO
 from low_bits_training.formats import FORMATS
-from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.nn import hardware
+from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.speed.gpu_check import block, catalog, compiling, parity, runner
 from low_bits_training.titan.platform import devices
 
