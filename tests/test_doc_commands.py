@@ -119,7 +119,7 @@ RUN: dict[str, str] = {
 }
 """Documented command -> the command as run here (``{tmp}``: this test's temporary folder)."""
 
-SMOKE = "tests/titan/test_train_smoke.py::test_two_ranks_train"
+SMOKE = "tests/titan/launch/test_train_smoke.py::test_two_ranks_train"
 SWEEP = "tests/cli/test_sweep.py::test_real_sweep_writes_table_csv_and_plot"
 COVERED: dict[str, str] = {
     "./run_tests.sh": "the runner of this very test",
@@ -135,15 +135,15 @@ COVERED: dict[str, str] = {
     ),
     "CONFIG_FILE=train_configs/optim/lowbit_adamw_int8.toml NGPU=2 ./run_llama_train.sh "
     "--parallelism.data_parallel_shard_degree 2 --training.steps 1 --checkpoint.no-enable": (
-        "tests/titan/test_budget_train.py::test_state_bytes_computed_equal_measured"
+        "tests/titan/runtime/test_budget_train.py::test_state_bytes_computed_equal_measured"
     ),
     "NGPU=2 ./run_llama_train.sh --parallelism.tensor_parallel_degree 2": SMOKE,
     "CONFIG_FILE=train_configs/recipes/debug_fsdp_lowbit_comm.toml NGPU=2 ./run_llama_train.sh": (
-        "tests/titan/test_comm_train.py::test_two_fsdp_ranks_train_with_fp8_all_gather_and_sr_reduce_scatter"
+        "tests/titan/targets/test_comm_train.py::test_two_fsdp_ranks_train_with_fp8_all_gather_and_sr_reduce_scatter"
     ),
     "CONFIG_FILE=train_configs/recipes/debug_fsdp_lowbit_comm.toml NGPU=2 ./run_llama_train.sh "
     "--checkpoint.no-enable --metrics.log_freq 5 --dump_folder /tmp/comm/m_low": (
-        "tests/titan/test_comm_train.py::test_two_fsdp_ranks_train_with_fp8_all_gather_and_sr_reduce_scatter"
+        "tests/titan/targets/test_comm_train.py::test_two_fsdp_ranks_train_with_fp8_all_gather_and_sr_reduce_scatter"
     ),
     "lbt-doctor": "tests/cli/test_doctor.py::test_no_arguments_check_the_run_the_launcher_starts_by_default",
     "lbt-sweep --grid-file sweeps/precision.toml": SWEEP
@@ -159,15 +159,15 @@ COVERED: dict[str, str] = {
     "quantize.recipe=bf16,fp8_tensorwise,fp8_rowwise,fp8_rowwise_hp_wgrad,deepseek_fp8,mxfp8,mxfp6,mxfp4,nvfp4,int8"
     " --baseline quantize.recipe=bf16 -- --training.local_batch_size 4 --training.steps 40 "
     "--checkpoint.no-enable --metrics.log_freq 1": SWEEP
-    + " (and every recipe: tests/titan/test_quantize_train.py)",
+    + " (and every recipe: tests/titan/targets/test_quantize_train.py)",
     "CONFIG_FILE=train_configs/recipes/debug_torchao_mixed.toml ./run_llama_train.sh --training.steps 6 "
     "--checkpoint.no-enable [--compile.enable]": (
-        "tests/titan/test_quantize_train.py::test_mixed_torchao_and_emulated_layers_train (the preset's plan)"
+        "tests/titan/targets/test_quantize_train.py::test_mixed_torchao_and_emulated_layers_train (the preset's plan)"
     ),
     "CONFIG_FILE=train_configs/recipes/debug_torchao_mixed.toml NGPU=2 ./run_llama_train.sh --training.steps 6 "
     "--checkpoint.no-enable --parallelism.data_parallel_shard_degree 2 [--compile.enable]": (
-        "tests/titan/test_quantize_train.py::test_mixed_torchao_and_emulated_layers_train (one rank) and "
-        "tests/titan/test_quantize_train.py::test_fsdp2_fp8_all_gather_through_torchao (two)"
+        "tests/titan/targets/test_quantize_train.py::test_mixed_torchao_and_emulated_layers_train (one rank) and "
+        "tests/titan/targets/test_quantize_train.py::test_fsdp2_fp8_all_gather_through_torchao (two)"
     ),
     # speed_model.md
     "lbt-speed --config-file train_configs/llama3_8b.toml --recipe nvfp4 --gpu B200 --gpu H100 [--layers]": (

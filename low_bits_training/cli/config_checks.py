@@ -113,12 +113,12 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
     """What runs each GEMM entry of the run on ``hw``: FQN -> (module label, backend per GEMM), in model
     order, every kind of target.
 
-    The run the launcher trains (``titan.plan.targets.resolve_run``: the plan of step 1, a phase starting at
+    The run the launcher trains (``titan.targets.registry.resolve_run``: the plan of step 1, a phase starting at
     step 0 included); entries a base's torchtitan converter swapped are ``torchtitan``.
     """
-    from low_bits_training.titan.plan import targets
+    from low_bits_training.titan.targets import registry
 
-    run = targets.run_of(config, hw) if quantize is None else targets.resolve_run(config, hw, quantize)
+    run = registry.run_of(config, hw) if quantize is None else registry.resolve_run(config, hw, quantize)
     labels = run.labels()
     out = {fqn: (labels[fqn], tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in run.plans.items()}
     for fqn in run.converted:
@@ -127,7 +127,7 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
 
 
 def _slow_fix(config: Any, hw: Hardware, quantize: Any) -> str:
-    from low_bits_training.titan.plan.targets import plan_on
+    from low_bits_training.titan.targets.registry import plan_on
 
     if hw.kind == "cpu":
         return "CPU: numerics are exact, speed is not a GPU's"
@@ -146,7 +146,7 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
     Raises:
         ConfigError: the plan does not resolve (see ``plan.resolve.resolve_plan``).
     """
-    from low_bits_training.titan.plan.attention import UNCHANGED
+    from low_bits_training.titan.targets.attention import UNCHANGED
 
     # attention the plan leaves alone is not listed (it runs as it would without this package)
     rows = {f: r for f, r in layer_backends(config, hw, quantize).items() if r[0] != UNCHANGED}
@@ -161,20 +161,20 @@ def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
     """One WARN row per reason a group of the run's layers does not run torchao's kernel on ``hw``
     (``plan.table.fallbacks``: the lines under the plan table, from ``backends.fallback_reason``)."""
     from low_bits_training.plan.table import fallbacks
-    from low_bits_training.titan.plan import targets
+    from low_bits_training.titan.targets import registry
 
-    run = targets.run_of(config, hw)
+    run = registry.run_of(config, hw)
     rows = fallbacks(run.plans, run.shapes, hw, config.quantize.backend, config.quantize.torchao)
     return [Check("fallback", "WARN", f"{', '.join(labels)}: {why}") for why, labels in rows]
 
 
 def check_saved(config: Any, hw: Hardware) -> list[Check]:
     """One OK row for ``[[quantize.saved]]`` (none without rules): each format and the modules that keep
-    their saves in it (the run resolved them: ``titan.plan.saved``)."""
-    from low_bits_training.titan.plan import targets
+    their saves in it (the run resolved them: ``titan.targets.saved``)."""
+    from low_bits_training.titan.targets import registry
 
     by_format: dict[str, list[str]] = {}
-    for fqn, fmt in targets.run_of(config, hw).saved.items():
+    for fqn, fmt in registry.run_of(config, hw).saved.items():
         by_format.setdefault(fmt.label, []).append(fqn)
     if not by_format:
         return []
@@ -188,12 +188,12 @@ def check_autopilot(config: Any, hw: Hardware) -> list[Check]:
     """One row for ``[quantize.autopilot]`` (none when off): its ladder and triggers, and how many quantized
     linear layers it can promote (ours: a layer torchao runs cannot take another plan mid-run); WARN when
     that is none."""
-    from low_bits_training.titan.plan import targets
+    from low_bits_training.titan.targets import registry
 
     pilot = config.quantize.autopilot
     if not pilot.enable:
         return []
-    run = targets.run_of(config, hw)
+    run = registry.run_of(config, hw)
     ours = [
         fqn
         for fqn, plan in run.plans.items()

@@ -51,11 +51,11 @@ def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
 
 def resolved(config, hw, quantize=None) -> tuple[dict, dict]:
     """(FQN -> LinearPlan, FQN -> LayerShape) of ``config`` resolved on ``hw``: the registry of targets
-    (``titan.plan.targets``) where it exists, else ``titan.plan.quantize``'s plan."""
+    (``titan.targets.registry``) where it exists, else ``titan.targets.linear``'s plan."""
     try:
-        from low_bits_training.titan.plan.targets import resolve_run
+        from low_bits_training.titan.targets.registry import resolve_run
     except ImportError:  # before the registry of targets
-        from low_bits_training.titan.plan.quantize import layer_shapes, plan_on
+        from low_bits_training.titan.targets.linear import layer_shapes, plan_on
 
         return plan_on(config, hw, quantize), layer_shapes(config)
     run = resolve_run(config, hw, quantize)

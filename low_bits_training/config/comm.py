@@ -3,7 +3,7 @@
 Two collectives carry the model's bytes under data parallelism: the weight all-gather before each FSDP
 unit's forward (and backward, when resharded) and the gradient reduce-scatter after its backward. Each can
 be put in a low-bit format: the sender quantizes its shard (codes + scales), the receiver dequantizes.
-``titan/plan/comm.py`` runs it (emulated on any backend) and counts the bytes.
+``titan/targets/wire.py`` runs it (emulated on any backend) and counts the bytes.
 
     [quantize.comm.all_gather]      # ZeRO++ qwZ / torchao fp8 all-gather
     format = "e4m3"

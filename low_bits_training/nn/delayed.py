@@ -14,7 +14,7 @@ A layer whose plan has roles with ``amax_history = N > 0`` owns a float32 buffer
 
 Every rank must hold the same history, or a checkpoint (which stores one copy of a replicated buffer) would
 not resume exactly: the trainer sets the **amax group**, the ranks that see different data (data parallel x
-context parallel, ``titan.plan.delayed``), and the amax is all-reduced MAX over it. Without one (plain module
+context parallel, ``titan.targets.delayed``), and the amax is all-reduced MAX over it. Without one (plain module
 use) each process keeps its own history. One history entry per call: gradient accumulation and a layer called
 twice per step each add entries.
 

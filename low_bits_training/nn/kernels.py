@@ -2,7 +2,7 @@
 accumulates into fp32 (``mm_fp32_accumulate``); torchao's modules are the real kernels.
 
 - Real kernels come from torchao: ``nn.torchao_modules`` (which torchao module computes a plan) and the torchao
-  backend (``plan.backends``, ``titan.plan.torchao_backend``).
+  backend (``plan.backends``, ``titan.targets.torchao_backend``).
 - ``scaled_mm`` here: our cast + ``torch._scaled_mm`` (fp8 e4m3/e5m2, tensorwise or rowwise fp32 scales). It is
   a real fp8 GEMM that also runs on the CPU in torch 2.14.1, and the emulation is held to it bit for bit
   (tests/nn/test_scaled_mm.py): an outside check of our casts. It stays reachable from Python

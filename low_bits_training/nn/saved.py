@@ -3,7 +3,7 @@
 While a chosen module runs its forward, every tensor autograd saves for the backward passes through
 ``pack``: a floating activation of at least ``min_numel`` elements is stored by the module's codec as codes
 + scales or as a plain bf16 / fp16 copy (``ReferenceCodec``: ``formats.quantize``; the run uses
-``titan.plan.saved.SaveCodec``, equal to it bit for bit), and the backward reads back the decoded values in
+``titan.targets.saved.SaveCodec``, equal to it bit for bit), and the backward reads back the decoded values in
 the tensor's own dtype and layout. Parameters and their views (a linear's ``W^T``), the
 softmax statistics of attention (``SaveFormat.keep_tails``), integer and 1-byte tensors (a quantized
 layer's own codes) and small tensors are kept as they are. A tensor saved twice in one forward (a SwiGLU
@@ -14,11 +14,11 @@ FSDP2 are untouched), outside any ``torch.compile`` of the module: with a compil
 hooks see the values the compiled graph saves. Under activation checkpointing the checkpoint's own hooks
 are the inner ones: a checkpointed region keeps its input through ours and recomputes the rest (what
 selective AC keeps passes through ours too once its checkpoint respects outer hooks:
-``titan.plan.saved.pack_selective_saves``).
+``titan.targets.saved.pack_selective_saves``).
 
 ``BYTES`` counts, per module, what was saved since the last ``take_bytes``: elements, bytes as the forward
 made them (a storage once, however many views of it are saved), bytes stored (a tensor kept as made: its
-storage, once). ``METER`` (set for one step by ``titan.plan.saved``) measures each
+storage, once). ``METER`` (set for one step by ``titan.targets.saved``) measures each
 module's call with the allocator (``optim.memory.HeldBytes``: ``span`` and ``output``).
 """
 
@@ -37,7 +37,7 @@ CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class ReferenceCodec:
     """How a save is stored, written with ``formats.quantize`` / ``dequantize`` (codes + fp32 scales) or a
-    plain cast: the reference any faster codec (``titan.plan.saved.SaveCodec``) is held to."""
+    plain cast: the reference any faster codec (``titan.targets.saved.SaveCodec``) is held to."""
 
     def __init__(self, spec: QuantSpec | None = None, cast: str | None = None):
         self.spec, self.cast = spec, cast

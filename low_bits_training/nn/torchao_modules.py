@@ -3,7 +3,7 @@
 These are the real kernels users get (the torchao backend of ``plan.backends``): ``torchao_recipe`` says
 which torchao module computes a plan (``Float8Linear`` for fp8 tensorwise / rowwise cast tables, ``MXFP8Linear``
 for MXFP8); ``float8_config`` and ``mxfp8_mm`` build and run them; ``torchao_linear`` makes a plain module
-(benchmarks, tests; training uses the torchtitan module classes of ``titan.plan.torchao_backend``). torchao is
+(benchmarks, tests; training uses the torchtitan module classes of ``titan.targets.torchao_backend``). torchao is
 imported only when a module is built, so this file imports on a machine without it.
 """
 

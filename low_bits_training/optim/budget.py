@@ -15,7 +15,7 @@ What a run holds for every parameter between steps (issue 27, "a byte budget for
 Bytes are summed over every rank that holds a shard (FSDP2 shards a parameter's rows over ``shards`` ranks,
 its sharded params and grads padded to a multiple of ``shards`` rows; ``replicas`` copies of each). Bytes per
 parameter divide by the model's parameter count. ``titan.runtime.budget`` measures the same figures on the
-live tensors of a run (tests/titan/test_budget_train.py holds the two equal).
+live tensors of a run (tests/titan/runtime/test_budget_train.py holds the two equal).
 """
 
 from __future__ import annotations

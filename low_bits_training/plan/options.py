@@ -67,7 +67,7 @@ def check_layer_options(
     for role, spec in zip(ROLES, specs, strict=True):
         if spec is None:
             continue
-        if shape.grouped and _set_options(spec):  # a grouped-experts entry (titan/plan/moe.py)
+        if shape.grouped and _set_options(spec):  # a grouped-experts entry (titan/targets/experts.py)
             raise ConfigError(
                 f"{where}: {fqn} {role.name}: {', '.join(_set_options(spec))} is not supported for MoE "
                 "expert weights (grouped GEMM); exclude them with a rule on the attention/dense layers only"

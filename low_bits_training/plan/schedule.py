@@ -1,6 +1,6 @@
 """Precision schedules: ``[[quantize.phases]]`` change the plan from a step on; ``[quantize.eval]`` gives
 evaluation its own plan. Pure config: the resolved ``Schedule`` says which plan every step (and evaluation)
-uses; ``titan/plan/schedule.py`` switches the layers.
+uses; ``titan/targets/schedule.py`` switches the layers.
 
     [quantize]
     recipe = "nvfp4"

@@ -60,7 +60,7 @@ def format_plan(plans: dict[str, LinearPlan], modules: dict[str, str] | None = N
     """Aligned text table: layers (grouped by identical plans), module, role, spec (or ``high``), backend.
 
     Args:
-        plans: FQN -> resolved plan (``titan.plan.quantize.current_plans``).
+        plans: FQN -> resolved plan (``titan.targets.linear.current_plans``).
         modules: FQN -> what the layer builds (``QuantLinear``, ``torchao Float8Linear (rowwise)``, ...).
     """
     rows = [("layers", "module", "role", "spec", "backend")]

@@ -90,7 +90,7 @@ computed ``<prefix>/plan_total``; logged once, at a process's first step."""
 
 PLAN_TEXT = "precision_plan.txt"
 """The plan table of the run (one per phase with a schedule), as logged at the start
-(``titan/plan/targets.py``)."""
+(``titan/targets/registry.py``)."""
 PLAN_JSON = "precision_plan.json"
 """The plan of step 1, one object per entry (``plan.table.plan_to_json``)."""
 GEMM_SIZES_JSON = "gemm_sizes.json"

@@ -2,10 +2,11 @@
 
 - ``platform/``: what every process stands on: the CPU adapters, the compat guard, which rank this is, the
   upstream log lines no user can act on filtered out.
-- ``plan/``: the precision plan's targets, one module per kind, their registry, the schedule, delayed scaling.
+- ``targets/``: the precision plan's targets in torchtitan, one module per kind (``linear``, ``experts``,
+  ``attention``, ``wire``, ``saved``), their registry (``kind``, ``registry``), the schedule, delayed scaling.
 - ``runtime/``: the running trainer: steps, checkpoints, metrics, the numerics monitor, profiling.
 - ``launch/``: the TOML onto ``Trainer.Config``, the checks, torchrun, and the per-rank ``worker``.
 
-The pure config sections the trainer carries (``[job]``, ``[quantize]``, ``[numerics]``, ``[profiling]``) live
-in ``low_bits_training/config/``.
+The config sections the trainer carries (``[job]``, ``[quantize]``, ``[numerics]``, ``[profiling]``) live in
+``low_bits_training/config/``; their pure resolution in ``low_bits_training/plan/``.
 """

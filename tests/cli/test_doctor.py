@@ -285,7 +285,7 @@ def _built_modules(config) -> dict[str, str]:
     with torch.device("meta"):
         model = config.model_spec.model.build()
     out = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    # the attention products, <attention fqn>.qk / .pv (titan/plan/attention.py): FlexAttention, the CPU
+    # the attention products, <attention fqn>.qk / .pv (titan/targets/attention.py): FlexAttention, the CPU
     # adapter's
     # DenseMaskAttention or QuantFlexAttention
     for n, m in model.named_modules():
@@ -332,7 +332,7 @@ def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch
     from low_bits_training.nn import GEMMS
     from low_bits_training.nn.hardware import detect_hardware
     from low_bits_training.plan.backends import gemm_backend
-    from low_bits_training.titan.plan.targets import current_plans
+    from low_bits_training.titan.targets.registry import current_plans
 
     monkeypatch.syspath_prepend(str(REPO))  # the converted base lives in tests/
     toml = write_toml(clean_env / "run.toml", quantize=quantize)
@@ -371,7 +371,7 @@ def test_doctor_runs_the_launchers_whole_check(clean_env):
 
 def test_every_layer_that_falls_back_says_why_in_doctor_and_the_plan_table(clean_env, monkeypatch):
     # issue 29: plan.backends.fallback_reason, one row (one line under the plan table) per group of layers.
-    from low_bits_training.titan.plan.targets import save_plan
+    from low_bits_training.titan.targets.registry import save_plan
 
     monkeypatch.chdir(REPO)
     mixed = "train_configs/recipes/debug_torchao_mixed.toml"  # layer 0 stochastic, layer 1 MXFP8, rest fp8

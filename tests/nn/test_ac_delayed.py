@@ -2,7 +2,7 @@
 reads the history as the first pass did, so checkpointed training equals training without, bit for bit
 (torchtitan's own full and selective AC policies, eager and compiled; nn/delayed.py "When the forward
 records"). Every recipe under both policies: the last test. Through the launcher (the 1B / 8B presets' selective
-AC, eager and compiled): tests/titan/test_ac_train.py."""
+AC, eager and compiled): tests/titan/runtime/test_ac_train.py."""
 
 from __future__ import annotations
 

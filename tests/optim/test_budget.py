@@ -1,6 +1,6 @@
 """The byte budget computed from the config (optim/budget.py) equals the bytes the live tensors hold after a
 step, state by state, for torch's AdamW, our low-bit optimizers and torchao's; FSDP2 runs: the launcher test
-tests/titan/test_budget_train.py."""
+tests/titan/runtime/test_budget_train.py."""
 
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ from low_bits_training.numerics import NonFinite
 from low_bits_training.plan.ladder import promote
 from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.plan.schedule import resolve_schedule
-from low_bits_training.titan.plan.schedule import PrecisionSchedule
 from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable, robust_z
 from low_bits_training.titan.runtime.snapshot import Snapshot, Snapshots
+from low_bits_training.titan.targets.schedule import PrecisionSchedule
 
 NVFP4 = LinearPlan.from_recipe("nvfp4")
 MXFP8 = LinearPlan.from_recipe("mxfp8")

@@ -78,7 +78,7 @@ def test_an_mxfp8_module_casts_with_a_kernel_that_exists(monkeypatch):
     from torchtitan.models.common.linear import Linear
 
     from low_bits_training.config.quantize import TorchaoOptions
-    from low_bits_training.titan.plan import torchao_backend
+    from low_bits_training.titan.targets import torchao_backend
 
     monkeypatch.setattr(torchao_backend, "detect_hardware", lambda: B200_NO_CAST)
     torchao_backend.available_dim1_kernel.cache_clear()

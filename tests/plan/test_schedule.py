@@ -188,11 +188,11 @@ def _fields(cfg):
 
 def test_compiled_runs_round_as_eager_when_a_target_is_emulated():
     """``round_as_eager`` turns inductor's ``emulate_precision_casts`` on when some phase emulates a target
-    (activation checkpointing then cannot change a compiled forward's numbers: tests/titan/test_ac_train.py)
+    (activation checkpointing then cannot change a compiled forward's numbers: tests/titan/runtime/test_ac_train.py)
     and leaves it alone for an all-high-precision run."""
     import torch._inductor.config as inductor
 
-    from low_bits_training.titan.plan.schedule import round_as_eager
+    from low_bits_training.titan.targets.schedule import round_as_eager
 
     # The config module's own patch, not pytest's monkeypatch: from pytest 9.2 monkeypatch undoes a setting it
     # cannot find in the module's __dict__ with delattr, which hides the setting from every later compile

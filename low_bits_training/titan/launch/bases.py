@@ -1,10 +1,10 @@
 """Base configs of our own, for ``[job] base = "low_bits_training.titan.launch.bases:<name>"``: the one
-registry of them (``__all__``; ``tests/titan/test_base_registry.py`` holds every preset that names one of ours
+registry of them (``__all__``; ``tests/titan/launch/test_base_registry.py`` holds every preset that names one of ours
 to it).
 
 torchtitan 0.3.0 ships config functions for the Llama 3 debug model, 8B, 70B and 405B; the 1B (Llama 3.2)
 flavor exists in its model registry but has no config function, so it is here. The Qwen3-MoE debug model
-(``qwen3_moe_tiny``) is built next to the MoE code that knows its experts (``titan/plan/moe.py``) and
+(``qwen3_moe_tiny``) is built next to the MoE code that knows its experts (``titan/targets/experts.py``) and
 registered here by import.
 """
 
@@ -15,7 +15,7 @@ from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.config_registry import llama3_8b
 from torchtitan.trainer import Trainer
 
-from low_bits_training.titan.plan.moe import qwen3_moe_tiny
+from low_bits_training.titan.targets.experts import qwen3_moe_tiny
 
 __all__ = ["llama3_1b", "llama3_narrow", "llama3_tiny", "qwen3_moe_tiny"]
 """Every base of ours, by the name ``[job] base`` gives after ``low_bits_training.titan.launch.bases:``."""

@@ -152,7 +152,7 @@ def check_sequence(config: Any, layout: Layout) -> None:
 
 def check_comm(config: Any, layout: Layout) -> None:
     """``[quantize.comm]`` against the resolved degrees (its formats and the other degrees were checked when
-    the config was built, ``titan.plan.comm.apply_comm``).
+    the config was built, ``titan.targets.wire.apply_comm``).
 
     Raises:
         ConfigError: low-bit collectives without FSDP2 sharding (``config.comm.check_shard_degree``).
@@ -263,9 +263,9 @@ def check_run(config: Any, world_size: int) -> str | None:
         ConfigError: a value out of range, degrees that do not fit the processes, a model check.
         CheckpointError: a checkpoint the run could not resume.
     """
-    from low_bits_training.titan.plan.attention import check_attention_memory
-    from low_bits_training.titan.plan.targets import run_of
     from low_bits_training.titan.runtime.checkpoint import preflight
+    from low_bits_training.titan.targets.attention import check_attention_memory
+    from low_bits_training.titan.targets.registry import run_of
 
     check_ranges(config)
     layout = parallel_layout(config, world_size)

@@ -78,10 +78,10 @@ def build_config(argv: list[str]):
     """
     from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch import datasets
-    from low_bits_training.titan.plan.targets import apply_run
-    from low_bits_training.titan.plan.torchao_backend import guard_torchao_modules
     from low_bits_training.titan.runtime.graphs import apply_graph_policy
     from low_bits_training.titan.runtime.optim import adapt_optimizer_config
+    from low_bits_training.titan.targets.registry import apply_run
+    from low_bits_training.titan.targets.torchao_backend import guard_torchao_modules
 
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
@@ -91,7 +91,7 @@ def build_config(argv: list[str]):
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     adapt_optimizer_config(config)  # low-bit / torchao optimizer names: checked kwargs, our container
-    # the run resolved once (titan/plan/targets.py); its targets converted, before any build
+    # the run resolved once (titan/targets/registry.py); its targets converted, before any build
     apply_run(config)
     guard_torchao_modules(config.model_spec.model)  # torchao's fp8-store NaN guard, before any compile
     # CUDA graphs off where the run is not capturable (titan/runtime/graphs.py)
@@ -129,8 +129,8 @@ def write_run_files(config, argv: list[str]) -> None:
     from torchtitan.tools.logging import logger
 
     from low_bits_training.titan.launch.configure import save_resolved
-    from low_bits_training.titan.plan.targets import save_plan
     from low_bits_training.titan.platform.ranks import is_rank0
+    from low_bits_training.titan.targets.registry import save_plan
 
     if is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])

@@ -2,7 +2,7 @@
 
 Private names change without notice. Each shim here says which upstream line it answers, and ``UPSTREAM``
 records where that code stood and a digest of its source in the pinned versions (torch 2.14.1, torchtitan
-0.3.0); ``tests/titan/test_compat.py`` fails when upstream changes any of them, so the shim is looked at
+0.3.0); ``tests/titan/platform/test_compat.py`` fails when upstream changes any of them, so the shim is looked at
 again instead of breaking at run time (the lines are also named in each shim's docstring). The rest of the package calls the shims, never the private names.
 """
 
@@ -95,7 +95,7 @@ UPSTREAM: dict[str, Upstream] = {
     "dispatch_has_kernel": Upstream(
         "torch._C:_dispatch_has_kernel_for_dispatch_key",
         0,
-        "",  # a C function: tests/titan/test_gpu_path.py checks what it says for a known op
+        "",  # a C function: tests/titan/platform/test_gpu_path.py checks what it says for a known op
         "whether torchao's compiled MXFP8 dim-1 cast has a CUDA kernel (plan/backends.py, which cannot "
         "import this module, calls it directly: mxfp8_cuda_cast_built)",
     ),
@@ -127,7 +127,7 @@ UPSTREAM: dict[str, Upstream] = {
         "torchtitan.models.common.token_dispatcher:TorchAOTokenDispatcher._permute",
         733,
         "b2e1d382df3284d5",
-        "the padding dispatcher's permute, which titan/plan/moe.py's PaddedTokenDispatcher overrides (triton-free)",
+        "the padding dispatcher's permute, which titan/targets/experts.py's PaddedTokenDispatcher overrides (triton-free)",
     ),
     "qwen3_builders": Upstream(
         "torchtitan.models.qwen3:_build_qwen3_moe_layers",
@@ -163,7 +163,7 @@ UPSTREAM: dict[str, Upstream] = {
     "dtensor_local_tensor": Upstream(
         "torch.distributed.tensor._api:DTensor",
         0,
-        "",  # an attribute set in DTensor.__new__ (no source of its own): tests/titan/test_quantize_train.py's
+        "",  # an attribute set in DTensor.__new__ (no source of its own): tests/titan/targets/test_quantize_train.py's
         # torchao fp8 all-gather run depends on it
         "a DTensor's ``_local_tensor`` as it is (``to_local()`` is an autograd view): torchao's fp8 weight wrapper",
     ),

@@ -1,7 +1,7 @@
 """The four adapters torchtitan 0.3.0 needs on a machine without an accelerator.
 
 Applied only when no accelerator is present (see ``needs_cpu_adapters``); each one names the upstream line it
-answers, and ``tests/titan/test_cpu_adapters.py`` fails when upstream stops needing it.
+answers, and ``tests/titan/platform/test_cpu_adapters.py`` fails when upstream stops needing it.
 
 1. ``torchtitan.tools.utils.device_type`` is ``_get_available_device_type() or "cuda"`` (tools/utils.py ~55),
    bound at import and copied by ``from ... import device_type`` into metrics, distributed utils, parallel
@@ -171,7 +171,7 @@ def _dense_attention_class():
 
         def attend(self, q, k, v, mask, scale, enable_gqa):
             """Attention of (B, N, L, H) tensors under a dense bool mask (B, 1, L, S); the quantized
-            attention (``titan.plan.attention``) overrides this."""
+            attention (``titan.targets.attention``) overrides this."""
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
             )

@@ -14,7 +14,7 @@ Two ways in (``config/autopilot.py`` has the section and the ladder):
 With ``demote_after`` a promoted role goes back down to the spec it left once it ran that many steps
 (doubled for each earlier demotion of it) since its last move; a role that fails again is promoted again.
 
-Promotions are overrides on the precision schedule (``titan.plan.schedule.PrecisionSchedule.override``):
+Promotions are overrides on the precision schedule (``titan.targets.schedule.PrecisionSchedule.override``):
 they hold over every later phase. Each decision is logged (one line), counted in the metrics
 (``autopilot/promotions``) and appended to ``<dump_folder>/autopilot.jsonl`` (rank 0). A resumed run reads
 that file and replays the decisions of the steps before it, so it runs the plans the first run had.
@@ -36,8 +36,8 @@ from low_bits_training.nn import ROLE_NAMES
 from low_bits_training.numerics import NonFinite
 from low_bits_training.plan.ladder import promote
 from low_bits_training.run.folder import read_jsonl
-from low_bits_training.titan.plan.targets import TARGETS
 from low_bits_training.titan.platform.ranks import is_rank0
+from low_bits_training.titan.targets.registry import TARGETS
 
 PROMOTIONS = "autopilot/promotions"
 """Metric: promotions so far in the run (logged at each step that promotes)."""

@@ -112,7 +112,7 @@ def report(trainer, per_token: Mapping | None = None) -> None:
 
     Args:
         trainer: the ``LowBitsTrainer`` (its config, model parts, optimizers, metrics).
-        per_token: ``[[quantize.saved]]`` bytes per token (``titan.plan.saved.log_saved_bytes``: by the hooks,
+        per_token: ``[[quantize.saved]]`` bytes per token (``titan.targets.saved.log_saved_bytes``: by the hooks,
             by the allocator, per module), written beside the state bytes and logged; None without rules.
     """
     if getattr(trainer, "_lbt_budget_done", False):

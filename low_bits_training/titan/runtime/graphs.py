@@ -67,7 +67,7 @@ def graph_blockers(config: Any) -> list[str]:
 
 
 def _emulated_experts(config: Any) -> bool:
-    from low_bits_training.titan.plan.moe import TitanQuantGroupedExperts
+    from low_bits_training.titan.targets.experts import TitanQuantGroupedExperts
 
     model = config.model_spec.model
     return any(True for _ in model.traverse(TitanQuantGroupedExperts.Config))

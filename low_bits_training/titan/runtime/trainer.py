@@ -15,18 +15,18 @@ from low_bits_training.formats import derive_key
 from low_bits_training.nn import rng as layer_rng
 from low_bits_training.nn import saved as nn_saved
 from low_bits_training.run.secrets import redact
-from low_bits_training.titan.plan.comm import log_comm_bytes
-from low_bits_training.titan.plan.delayed import install as install_amax_group
-from low_bits_training.titan.plan.moe import zero_expert_counts
-from low_bits_training.titan.plan.saved import allocator_meter, log_saved_bytes
-from low_bits_training.titan.plan.schedule import install as install_schedule
-from low_bits_training.titan.plan.targets import live, run_of
 from low_bits_training.titan.platform.ranks import rank
 from low_bits_training.titan.runtime import budget
 from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable
 from low_bits_training.titan.runtime.checkpoint import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
 from low_bits_training.titan.runtime.snapshot import restore
+from low_bits_training.titan.targets.delayed import install as install_amax_group
+from low_bits_training.titan.targets.experts import zero_expert_counts
+from low_bits_training.titan.targets.registry import live, run_of
+from low_bits_training.titan.targets.saved import allocator_meter, log_saved_bytes
+from low_bits_training.titan.targets.schedule import install as install_schedule
+from low_bits_training.titan.targets.wire import log_comm_bytes
 
 
 def step_seed(base: int, step: int) -> int:
@@ -51,9 +51,9 @@ class LowBitsTrainer(Trainer):
         self._microbatch = 0
         for fqn, target in live(self.model_parts):  # each target rounds with its own random bits
             target.set_name(fqn)
-        # [[quantize.phases]], [quantize.eval]: titan/plan/schedule.py, from the run resolved in build_config
+        # [[quantize.phases]], [quantize.eval]: titan/targets/schedule.py, from the run resolved in build_config
         self._lbt_schedule = install_schedule(self, run_of(config))
-        # delayed scaling: one amax history on every data rank (titan/plan/delayed.py)
+        # delayed scaling: one amax history on every data rank (titan/targets/delayed.py)
         install_amax_group(self)
 
     @dataclass(kw_only=True, slots=True)
@@ -128,8 +128,8 @@ class LowBitsTrainer(Trainer):
                 batches.rewind()
                 nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
                 zero_expert_counts(self.model_parts)  # nor what it routed (MoE load balancing)
-        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/plan/comm.py)
-        # [[quantize.saved]] bytes kept for the backward (titan/plan/saved.py), by the allocator on one step
+        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/targets/wire.py)
+        # [[quantize.saved]] bytes kept for the backward (titan/targets/saved.py), by the allocator on one step
         per_token = log_saved_bytes(self)
         if per_token is None or "allocator" in per_token:
             # bytes per parameter of each state, once (titan/runtime/budget.py)

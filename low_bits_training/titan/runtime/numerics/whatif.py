@@ -1,6 +1,6 @@
 """What-if statistics in the trainer: which layers measure which alternatives, and their rows.
 
-``titan.plan.targets.resolve_run`` resolves ``[numerics] whatif*`` against the model at config time (one-line
+``titan.targets.registry.resolve_run`` resolves ``[numerics] whatif*`` against the model at config time (one-line
 errors; the layers it names are built as QuantLinear); ``attach`` gives the built layers their tables; ``whatif_table`` reads the
 layers' ``lbt_whatif`` buffers at the end of a statistics step, reduced over every rank, as
 ``numerics.jsonl`` rows marked ``"whatif": <name>``.

@@ -1,4 +1,4 @@
-"""The registry of plan targets and the run resolved once (titan/plan/target.py, titan/plan/targets.py).
+"""The registry of plan targets and the run resolved once (titan/targets/kind.py, titan/targets/registry.py).
 
 Every kind of target (linear, router, experts, attention products, the wire) is one ``TargetKind``; every
 tool reads one ``ResolvedRun``; the numerics monitor names a NaN wherever it is born, every kind.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, train, write_toml
-from low_bits_training.titan.plan import attention, comm, moe, quantize, saved, targets
+from low_bits_training.titan.targets import attention, experts, linear, registry, saved, wire
 
 PRESETS = sorted(
     [*REPO.glob("train_configs/debug_*.toml"), *REPO.glob("train_configs/recipes/debug_*.toml")],
@@ -31,17 +31,17 @@ def _load(path: Path, *args: str):
 
 
 def test_every_kind_module_is_one_registry_entry():
-    assert targets.TARGETS == (comm.KIND, quantize.KIND, moe.KIND, attention.KIND, saved.KIND)
-    assert len({k.name for k in targets.TARGETS}) == len(targets.TARGETS)
+    assert registry.TARGETS == (wire.KIND, linear.KIND, experts.KIND, attention.KIND, saved.KIND)
+    assert len({k.name for k in registry.TARGETS}) == len(registry.TARGETS)
 
 
 def test_no_other_module_enumerates_the_kinds():
     # A kind's entry points are called by its own module (its KIND) and nowhere else in the package.
     per_kind = {
-        quantize: ("linear_entries", "convert_linears", "current_linears", "converted_linears"),
-        moe: ("expert_layers", "convert_experts", "expert_plans", "grouped_module_label"),
+        linear: ("linear_entries", "convert_linears", "current_linears", "converted_linears"),
+        experts: ("expert_layers", "convert_experts", "expert_plans", "grouped_module_label"),
         attention: ("attention_layers", "convert_attention", "attention_plans", "product_module_label"),
-        comm: ("apply_comm",),
+        wire: ("apply_comm",),
         saved: ("with_saved_hooks", "stat_tails", "codec_of"),
     }
     package = REPO / "low_bits_training"
@@ -57,7 +57,7 @@ def test_no_other_module_enumerates_the_kinds():
 
 def test_entries_of_the_moe_model_by_kind_and_the_router_stays_high():
     config = _load(MOE)
-    shapes, kinds = targets.entries(config)
+    shapes, kinds = registry.entries(config)
     by_kind = {}
     for fqn, shape in shapes.items():
         by_kind.setdefault(shape.kind, []).append(fqn)
@@ -67,7 +67,7 @@ def test_entries_of_the_moe_model_by_kind_and_the_router_stays_high():
     assert len(by_kind["router"]) == 4 and all(f.endswith(".moe.router.gate") for f in by_kind["router"])
     assert len(by_kind["experts"]) == 12 and len(by_kind["qk"]) == len(by_kind["pv"]) == 4
     for recipe in ("mxfp8", "fp8_rowwise", "nvfp4", "int8"):  # router gates (8 outputs) fit no block of 32
-        plans = targets.resolve_run(_load(MOE, "--quantize.recipe", recipe)).plans
+        plans = registry.resolve_run(_load(MOE, "--quantize.recipe", recipe)).plans
         assert all(plans[f].is_high_precision for f in by_kind["router"]), recipe
         assert not plans["layers.0.attention.wo"].is_high_precision, recipe
 
@@ -77,8 +77,8 @@ def test_gemm_sizes_count_every_kind_per_token(tmp_path):
     tiny MoE model routes each token to 2 of 8 experts), an attention product's once per query head, with
     in / out of one head's product (head_dim 32, seq_len)."""
     config = _load(MOE)
-    targets.apply_run(config)
-    sizes = json.loads(targets.save_plan(config, tmp_path).with_name("gemm_sizes.json").read_text())
+    registry.apply_run(config)
+    sizes = json.loads(registry.save_plan(config, tmp_path).with_name("gemm_sizes.json").read_text())
     seq = config.training.seq_len
     assert sizes["layers.0.moe.routed_experts.inner_experts.w1"] == [128, 128, 2]
     assert sizes["layers.0.attention.qk"] == [32, seq, 4] and sizes["layers.0.attention.pv"] == [seq, 32, 4]
@@ -95,7 +95,7 @@ def test_a_rule_that_names_the_router_reaches_it():
     config = _load(MOE)
     rule = QuantRule(layers=["layers.0.moe.router.gate"], format="e4m3", scaling="tensor")
     config.quantize.rules = [*config.quantize.rules, rule]
-    plans = targets.resolve_run(config).plans
+    plans = registry.resolve_run(config).plans
     assert plans["layers.0.moe.router.gate"].specs[0].elem.name == "e4m3"
     assert plans["layers.1.moe.router.gate"].is_high_precision
 
@@ -113,14 +113,14 @@ def test_doctor_equals_launcher_and_resolves_once(tmp_path, monkeypatch, path):
     monkeypatch.chdir(REPO)
     if path == "phase-at-step-0":  # the launcher trains the phase's plan from step 1: doctor shows it too
         path = write_toml(tmp_path / "phase.toml", quantize=PHASE_AT_0)
-    before = targets.RESOLUTIONS[0]
+    before = registry.RESOLUTIONS[0]
     ngpu = "2" if any(k in path.stem for k in ("tp2", "pp2", "fsdp")) else "1"  # the ranks the preset is for
     status, config = checked_config(str(path), ["--dump_folder", str(tmp_path / "out")], {"NGPU": ngpu})
     assert status.status == "OK", status.detail
     doctor = layer_backends(config, detect_hardware())
-    targets.save_plan(config, tmp_path / "run")
-    assert targets.RESOLUTIONS[0] - before == 1  # build, doctor's rows and the plan files: one resolution
-    plans, labels = targets.current_plans(config)  # what the built model holds, read from its tree
+    registry.save_plan(config, tmp_path / "run")
+    assert registry.RESOLUTIONS[0] - before == 1  # build, doctor's rows and the plan files: one resolution
+    plans, labels = registry.current_plans(config)  # what the built model holds, read from its tree
     built = {f: (labels[f], tuple(gemm_backend(p, g) for g in GEMMS)) for f, p in plans.items()}
     assert doctor == built
     if "phase" in path.stem:
@@ -187,7 +187,7 @@ def test_every_recipe_resolves_on_every_debug_preset():
         config = _load(path)
         for recipe in RECIPES:
             try:
-                targets.resolve_run(config, None, dataclasses.replace(config.quantize, recipe=recipe))
+                registry.resolve_run(config, None, dataclasses.replace(config.quantize, recipe=recipe))
             except Exception as e:  # collected: the assertion names every failing pair
                 line = f"{path.stem} + {recipe}: {str(e).splitlines()[0]}"
                 # backend = 'torchao' refuses a plan torchao runs no layer of (cdba702): by design, one line

@@ -1,6 +1,6 @@
 """What autograd saves for the backward as a kind of plan target: ``[[quantize.saved]]`` on the built model.
 
-The formats are resolved with the run (``resolve``, called by ``titan.plan.targets.resolve_run``: module
+The formats are resolved with the run (``resolve``, called by ``titan.targets.registry.resolve_run``: module
 FQNs from the model's config tree, the block-size check against its linears' widths and the attention head
 dim); ``KIND.convert`` wraps the model spec's ``parallelize_fn`` so that, once torchtitan has applied
 activation checkpointing, torch.compile and FSDP2, the chosen modules get their saved-tensor hooks
@@ -23,7 +23,7 @@ from low_bits_training.nn import saved as nn_saved
 from low_bits_training.nn.state import clean_fqn
 from low_bits_training.optim.codec import StateCodec, read_scales, store_scales
 from low_bits_training.optim.memory import HeldBytes
-from low_bits_training.titan.plan.target import TargetKind
+from low_bits_training.titan.targets.kind import TargetKind
 
 
 def modules_of(model_config) -> list[str]:
@@ -266,5 +266,5 @@ KIND = TargetKind(
     switchable=False,
     convert=convert,
 )
-"""What autograd keeps for the backward as a kind of plan target (``titan.plan.targets``): no GEMM entries;
+"""What autograd keeps for the backward as a kind of plan target (``titan.targets.registry``): no GEMM entries;
 its convert hooks the model spec's parallelize function."""

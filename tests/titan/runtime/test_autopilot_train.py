@@ -97,7 +97,7 @@ EXPERT = "layers.1.moe.routed_experts.inner_experts.w1"
 def test_an_expert_weight_is_promoted_as_a_linear_layer_is(tmp_path):
     """The MoE preset with its layer-1 experts' w1 input in the overflowing e2m5: the autopilot promotes
     that role of that expert weight alone and runs step 1 again, which must not count the dropped attempt's
-    routing in the load-balancing bias (``titan.plan.moe.zero_expert_counts``): the losses equal a run with
+    routing in the load-balancing bias (``titan.targets.experts.zero_expert_counts``): the losses equal a run with
     e4m3 there from the start, bit for bit."""
     rule = {"layers": [EXPERT], "roles": ["forward.input"], "scaling": "none", "saturate": False}
 

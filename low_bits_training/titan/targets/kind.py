@@ -1,8 +1,8 @@
 """What a kind of plan target is, in one record, and the one adapter its state modules share in torchtitan.
 
-A plan covers several kinds of target: linear layers (``titan.plan.quantize``), MoE expert weights
-(``titan.plan.moe``), attention products (``titan.plan.attention``) and FSDP2's collectives
-(``titan.plan.comm``). Each kind module defines one ``TargetKind``; ``titan.plan.targets.TARGETS`` lists them,
+A plan covers several kinds of target: linear layers (``titan.targets.linear``), MoE expert weights
+(``titan.targets.experts``), attention products (``titan.targets.attention``) and FSDP2's collectives
+(``titan.targets.wire``). Each kind module defines one ``TargetKind``; ``titan.targets.registry.TARGETS`` lists them,
 and every consumer (the resolution, the converter, the schedule, doctor and the plan table, the numerics
 monitor) loops over that list. Adding a kind is one new ``TargetKind`` (docs/precision_plan.md shows one).
 """
@@ -45,7 +45,7 @@ class TargetKind:
     entries: Callable[[Any], dict[str, LayerShape]] = _none
     """config -> FQN -> shape of every entry of this kind in the model (before or after conversion)."""
     convert: Callable[[Any, Any], None] = _nothing
-    """(config, ``titan.plan.targets.ResolvedRun``: its ``plans`` of step 1, ``keep()`` the FQNs to build
+    """(config, ``titan.targets.registry.ResolvedRun``: its ``plans`` of step 1, ``keep()`` the FQNs to build
     quantized even where high) -> rewrite the model config tree (and the model spec) in place, before any
     model is built."""
     label: Callable[[dict[str, LinearPlan], str], str] = lambda plans, fqn: ""

@@ -43,13 +43,13 @@ from low_bits_training.formats import QuantSpec, derive_key, fake_quantize
 from low_bits_training.nn import rng
 from low_bits_training.nn.cast import cast
 from low_bits_training.nn.state import clean_fqn
-from low_bits_training.titan.plan.target import TargetKind
 from low_bits_training.titan.platform.compat import (
     fsdp_collective_bases,
     fsdp_param_groups,
     fsdp_sharded_data,
     fsdp_sharded_local,
 )
+from low_bits_training.titan.targets.kind import TargetKind
 
 _KEY_MASK = (1 << 62) - 1
 AllGather, ReduceScatter = fsdp_collective_bases()
@@ -273,7 +273,7 @@ def apply_comm(config, plans: dict) -> None:
 
     Args:
         config: the trainer config.
-        plans: the resolved plan of step 1 (``titan.plan.targets.ResolvedRun.plans``).
+        plans: the resolved plan of step 1 (``titan.targets.registry.ResolvedRun.plans``).
 
     Raises:
         ConfigError: a bad format / scaling, or a parallelism without FSDP2's collectives for it.
@@ -340,5 +340,5 @@ KIND = TargetKind(
     switchable=False,
     convert=lambda config, run: apply_comm(config, run.plans),
 )
-"""FSDP2's weight all-gather and gradient reduce-scatter as a kind of plan target (``titan.plan.targets``): no
+"""FSDP2's weight all-gather and gradient reduce-scatter as a kind of plan target (``titan.targets.registry``): no
 GEMM entries; its convert checks ``[quantize.comm]`` and hooks the model spec's parallelize function."""

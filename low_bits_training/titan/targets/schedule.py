@@ -3,11 +3,11 @@
 The resolved ``plan.schedule.Schedule`` is turned into behaviour here:
 
 - ``PrecisionSchedule.begin_step``: before every step the trainer asks for that step's phase; on a phase
-  change every target whose kind can switch (``titan.plan.target.TargetKind.switchable``: linear layers,
+  change every target whose kind can switch (``titan.targets.kind.TargetKind.switchable``: linear layers,
   MoE expert weights, attention products) gets its plan for the new phase (the same ``LinearPlan`` objects
   each time).
   A run resumed in a later phase switches at its first step. Layers quantized in some phase were built as
-  QuantLinear (``titan.plan.quantize``), so parameters and state_dict keys never change.
+  QuantLinear (``titan.targets.linear``), so parameters and state_dict keys never change.
 - ``EvalPrecision``: wraps torchtitan's validator; ``validate`` runs under ``[quantize.eval]``'s plan (when
   given) with the probes off, then the training plan comes back.
 - ``round_as_eager``: compiled, inductor rounds low-precision intermediates where eager does (so activation
@@ -174,7 +174,7 @@ def install(trainer, run) -> PrecisionSchedule:
 
     Args:
         trainer: the built trainer.
-        run: its resolved run (``titan.plan.targets.run_of``): the schedule and which entries can switch.
+        run: its resolved run (``titan.targets.registry.run_of``): the schedule and which entries can switch.
 
     Returns:
         The ``PrecisionSchedule`` whose ``begin_step`` the trainer calls before every step.

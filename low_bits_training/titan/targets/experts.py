@@ -41,8 +41,8 @@ from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
 from low_bits_training.nn.torchao_modules import TorchaoGroupedRecipe, torchao_grouped_recipe
 from low_bits_training.plan.resolve import LayerShape
-from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
 from low_bits_training.titan.platform.compat import config_owner, grouped_experts_class, qwen3_builders
+from low_bits_training.titan.targets.kind import TargetKind, TitanQuantState
 
 WEIGHTS = ("w1", "w2", "w3")
 """The plan's names of the three stacked expert weights (``<experts fqn>.w1`` ...)."""
@@ -110,7 +110,7 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
 
 
 class TitanExpertWeightState(GroupedQuantState, TitanQuantState):
-    """``GroupedQuantState`` under torchtitan's Module protocol (``titan.plan.target.TitanQuantState``)."""
+    """``GroupedQuantState`` under torchtitan's Module protocol (``titan.targets.kind.TitanQuantState``)."""
 
 
 class TitanQuantGroupedExperts(GroupedExperts):
@@ -336,7 +336,7 @@ KIND = TargetKind(
     label=lambda plans, fqn: grouped_module_label(plans[fqn]),
     current=expert_plans,
 )
-"""MoE expert weights as a kind of plan target (``titan.plan.targets``)."""
+"""MoE expert weights as a kind of plan target (``titan.targets.registry``)."""
 
 
 def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):

@@ -1,4 +1,4 @@
-"""titan/plan/saved.py's fast save codec against nn.saved.ReferenceCodec (formats.quantize / dequantize)."""
+"""titan/targets/saved.py's fast save codec against nn.saved.ReferenceCodec (formats.quantize / dequantize)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from low_bits_training.config.saved import SavedFormat
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn.saved import ReferenceCodec
-from low_bits_training.titan.plan.saved import SaveCodec, codec_of
+from low_bits_training.titan.targets.saved import SaveCodec, codec_of
 
 SPECS = [
     QuantSpec("e4m3", "tensor"),
@@ -87,7 +87,7 @@ def test_what_selective_checkpointing_keeps_is_packed_and_read_back_decoded():
 
     from low_bits_training.formats import fake_quantize
     from low_bits_training.nn import saved as nn_saved
-    from low_bits_training.titan.plan.saved import pack_selective_saves
+    from low_bits_training.titan.targets.saved import pack_selective_saves
 
     class MLP(torch.nn.Module):
         def __init__(self):

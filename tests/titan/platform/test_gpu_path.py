@@ -48,7 +48,7 @@ def _linear_config():
 def test_our_torchao_modules_apply_the_guard_when_built(unguarded, recipe):
     from low_bits_training.config.quantize import TorchaoOptions
     from low_bits_training.nn import LinearPlan
-    from low_bits_training.titan.plan.torchao_backend import layer_config
+    from low_bits_training.titan.targets.torchao_backend import layer_config
 
     plan = LinearPlan.from_recipe(recipe)
     plan = LinearPlan(plan.specs, backends=("torchao_emulated",) * 3)
@@ -59,7 +59,7 @@ def test_our_torchao_modules_apply_the_guard_when_built(unguarded, recipe):
 
 
 def test_a_base_converted_by_torchtitans_float8_converter_gets_the_guard(unguarded):
-    from low_bits_training.titan.plan.torchao_backend import guard_torchao_modules, torchao_modules_in
+    from low_bits_training.titan.targets.torchao_backend import guard_torchao_modules, torchao_modules_in
 
     plain = compat.config_function("llama3", "llama3_debugmodel").model_spec.model
     assert not guard_torchao_modules(plain) and not compat.fp8_stores_guarded()
@@ -245,7 +245,7 @@ def test_the_crash_report_names_the_exception_and_shows_a_hidden_ranks_traceback
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])  # spawn: each rank a fresh interpreter, as on GPUs
 def test_a_crash_on_a_rank_log_rank_hides_is_shown(tmp_path, method):
-    from crash_override import MESSAGE
+    from tests.titan.crash_override import MESSAGE
 
     run = train(
         tmp_path, "--training.steps", "2", "--checkpoint.no-enable",

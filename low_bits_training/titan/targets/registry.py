@@ -1,6 +1,6 @@
 """The registry of plan targets and the run resolved once: what every tool reads.
 
-``TARGETS`` lists the kinds of target (``titan.plan.target.TargetKind``): the FSDP2 collectives first (their
+``TARGETS`` lists the kinds of target (``titan.targets.kind.TargetKind``): the FSDP2 collectives first (their
 check may switch torchao's fp8 all-gather on before the linears are converted), then linear layers, MoE
 expert weights, attention products and what autograd saves for the backward. Nothing else enumerates the kinds.
 
@@ -27,10 +27,10 @@ from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.plan.schedule import Schedule, check_switchable, resolve_schedule
 from low_bits_training.plan.table import fallbacks, format_fallbacks, format_plan, plan_to_json
 from low_bits_training.plan.whatif import resolve_whatif
-from low_bits_training.titan.plan import attention, comm, moe, quantize, saved
-from low_bits_training.titan.plan.target import TargetKind
+from low_bits_training.titan.targets import attention, experts, linear, saved, wire
+from low_bits_training.titan.targets.kind import TargetKind
 
-TARGETS: tuple[TargetKind, ...] = (comm.KIND, quantize.KIND, moe.KIND, attention.KIND, saved.KIND)
+TARGETS: tuple[TargetKind, ...] = (wire.KIND, linear.KIND, experts.KIND, attention.KIND, saved.KIND)
 """Every kind of plan target, in the order ``apply_run`` converts them."""
 
 _RUNS: dict[int, tuple[object, ResolvedRun]] = {}
@@ -116,11 +116,11 @@ def resolve_run(config, hw: Hardware | None = None, quantize_cfg=None) -> Resolv
     converted = {f: label for k in TARGETS for f, label in k.converted(config.model_spec.model).items()}
     schedule = resolve_schedule(q, shapes, config.training.steps, hw, converted)
     check_switchable(schedule, {f: k.what for f, k in kinds.items() if not k.switchable})
-    linears = [f for f, k in kinds.items() if k is quantize.KIND]  # what-if statistics: linear layers
+    linears = [f for f, k in kinds.items() if k is linear.KIND]  # what-if statistics: linear layers
     whatif = resolve_whatif(config.numerics, linears, True, shapes, schedule.at(1).plans)
-    wire = (wire_spec(q.comm.all_gather, "all_gather"), wire_spec(q.comm.reduce_scatter, "reduce_scatter"))
+    formats = (wire_spec(q.comm.all_gather, "all_gather"), wire_spec(q.comm.reduce_scatter, "reduce_scatter"))
     kept = saved.resolve(config, shapes, q)
-    return ResolvedRun(hw, shapes, kinds, converted, schedule, whatif, wire, kept)
+    return ResolvedRun(hw, shapes, kinds, converted, schedule, whatif, formats, kept)
 
 
 def apply_run(config, run: ResolvedRun | None = None) -> ResolvedRun:
@@ -170,7 +170,7 @@ def plan_text(
     Args:
         quantize: the run's ``[quantize]`` section (its ``backend`` and ``torchao`` options).
     """
-    from low_bits_training.titan.plan.schedule import phase_title
+    from low_bits_training.titan.targets.schedule import phase_title
 
     def table(p: dict[str, LinearPlan]) -> str:
         why = fallbacks(p, run.shapes, run.hardware, quantize.backend, quantize.torchao)

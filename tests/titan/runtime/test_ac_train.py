@@ -45,7 +45,7 @@ def test_delayed_scaling_with_selective_checkpointing_equals_the_run_without(tmp
 
 
 def test_compiled_selective_checkpointing_equals_the_run_without(tmp_path):
-    """Compiled, 2 steps. Before ``titan.plan.schedule.round_as_eager`` the losses differed from step 1
+    """Compiled, 2 steps. Before ``titan.targets.schedule.round_as_eager`` the losses differed from step 1
     (8.20734 vs 8.20692), before any amax was recorded: inductor rounded a bf16 intermediate only where the
     graph saved it for the backward, which the checkpoint changes."""
     ref = _run(tmp_path, "none", "fp8_delayed", "none", 2, "--compile.enable")

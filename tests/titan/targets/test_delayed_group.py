@@ -1,4 +1,4 @@
-"""The trainer's amax group for delayed scaling (titan/plan/delayed.py): the data ranks' group when a layer
+"""The trainer's amax group for delayed scaling (titan/targets/delayed.py): the data ranks' group when a layer
 keeps an amax history, nothing (no collective) otherwise. The all-reduce itself: tests/nn/test_delayed.py."""
 
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import torch
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan, QuantLinear, delayed
 from low_bits_training.nn.roles import ROLES
-from low_bits_training.titan.plan.delayed import install
+from low_bits_training.titan.targets.delayed import install
 
 
 class _Mesh:

@@ -1,4 +1,4 @@
-"""Quantized attention GEMMs in the torchtitan model (titan/plan/attention.py): swapped in only where the plan
+"""Quantized attention GEMMs in the torchtitan model (titan/targets/attention.py): swapped in only where the plan
 names the attention products, equal to the CPU adapter's attention in high precision, refused in one line
 where it cannot run, and training the debug model (train_configs/recipes/debug_fp8_attention.toml)."""
 
@@ -32,7 +32,7 @@ def _inner(config) -> list:
 
 
 def test_nothing_selects_attention_nothing_changes():
-    from low_bits_training.titan.plan.targets import apply_run, current_plans
+    from low_bits_training.titan.targets.registry import apply_run, current_plans
 
     config = _config()
     before = _inner(config)
@@ -45,8 +45,8 @@ def test_nothing_selects_attention_nothing_changes():
 
 
 def test_named_products_swap_the_inner_attention():
-    from low_bits_training.titan.plan.attention import quant_attention_class
-    from low_bits_training.titan.plan.targets import apply_run, current_plans
+    from low_bits_training.titan.targets.attention import quant_attention_class
+    from low_bits_training.titan.targets.registry import apply_run, current_plans
 
     config = _config(rules=[QuantRule(layers=["layers.[01].attention.qk"], format="e4m3", scaling="tensor")])
     apply_run(config)
@@ -59,7 +59,7 @@ def test_named_products_swap_the_inner_attention():
 
 
 def test_tensor_parallel_quantized_attention_is_refused():
-    from low_bits_training.titan.plan.targets import apply_run
+    from low_bits_training.titan.targets.registry import apply_run
 
     with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree = 2: quantized attention"):
         apply_run(_config(rules=[FP8], tensor_parallel_degree=2))
@@ -67,8 +67,8 @@ def test_tensor_parallel_quantized_attention_is_refused():
 
 def test_high_precision_quant_attention_is_the_cpu_adapters_attention():
     """The module (BlockMask interface, dense mask, GQA) with a high-precision plan: the adapter's numbers."""
-    from low_bits_training.titan.plan.attention import quant_attention_class
     from low_bits_training.titan.platform.cpu import _dense_attention_class
+    from low_bits_training.titan.targets.attention import quant_attention_class
 
     def documents(b, h, q, kv):  # causal within two packed documents
         return (q >= kv) & ((q < 40) == (kv < 40))
@@ -119,8 +119,8 @@ def test_a_phase_that_quantizes_attention_later_builds_it_from_the_start():
     """Attention products switch plans mid-run: a module quantized only in a later phase is built as
     QuantAttention with its step-1 plans (high precision)."""
     from low_bits_training.config.quantize import Phase
-    from low_bits_training.titan.plan.attention import quant_attention_class
-    from low_bits_training.titan.plan.targets import apply_run, current_plans
+    from low_bits_training.titan.targets.attention import quant_attention_class
+    from low_bits_training.titan.targets.registry import apply_run, current_plans
 
     config = _config()
     config.quantize.phases = [Phase(start=0.5, rules=[FP8])]
@@ -137,8 +137,8 @@ def test_a_product_switched_mid_run_computes_as_one_built_with_that_plan():
     """Setting a product's plan (what a phase or the autopilot does between steps) rebuilds the module's
     AttentionPlan: outputs and gradients equal a module built with that plan, bit for bit, and switching
     back gives the first plan's numbers again."""
-    from low_bits_training.titan.plan.attention import quant_attention_class
-    from low_bits_training.titan.plan.targets import resolve_run
+    from low_bits_training.titan.targets.attention import quant_attention_class
+    from low_bits_training.titan.targets.registry import resolve_run
 
     cls = quant_attention_class()
     fp8 = resolve_run(_config(rules=[FP8])).plans["layers.0.attention.qk"]
@@ -169,8 +169,8 @@ def test_a_product_switched_mid_run_computes_as_one_built_with_that_plan():
 def test_quantized_attention_too_big_for_the_device_is_one_line():
     """8 x 16 heads x 8192^2 x 4 B = 34.4 GB per module: refused against a 24 GB device, before any build;
     full activation checkpointing keeps one module's matrix (the estimate drops), and 128 tokens pass."""
-    from low_bits_training.titan.plan.attention import check_attention_memory, dense_bytes
-    from low_bits_training.titan.plan.targets import resolve_run
+    from low_bits_training.titan.targets.attention import check_attention_memory, dense_bytes
+    from low_bits_training.titan.targets.registry import resolve_run
 
     config = _config("bf16", [FP8])
     config.training.seq_len, config.training.local_batch_size = 8192, 8

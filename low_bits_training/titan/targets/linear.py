@@ -3,7 +3,7 @@
 torchtitan 0.3 builds the model from a config tree; its llama3 linears are ``Linear.Config`` entries
 (models/common/linear.py). Like torchtitan's own ``Float8LinearConverter`` (components/quantization/float8.py),
 ``PrecisionPlanConverter`` replaces the selected entries before the model is built: with torchao's module
-(``titan.plan.torchao_backend``) where the resolved plan says ``torchao``, else with
+(``titan.targets.torchao_backend``) where the resolved plan says ``torchao``, else with
 ``TitanQuantLinear.Config``. Parameters and state_dict keys stay those of ``nn.Linear``, so checkpoints move
 between recipes and backends. Linears a base's own torchtitan converter already swapped (``Float8Linear`` ...)
 are left as they are and shown as ``torchtitan`` in the plan table.
@@ -26,8 +26,8 @@ from low_bits_training.nn.torchao_modules import torchao_recipe
 from low_bits_training.nn.whatif import WhatIfLinear
 from low_bits_training.plan.backends import torchao_kernel_refusal, torchao_shape_refusal
 from low_bits_training.plan.resolve import LayerShape
-from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
 from low_bits_training.titan.platform.compat import torchao_config_of
+from low_bits_training.titan.targets.kind import TargetKind, TitanQuantState
 
 
 class TitanQuantLinear(WhatIfLinear, TitanQuantState):
@@ -67,14 +67,14 @@ class PrecisionPlanConverter(QuantizationConverter):
         """``[quantize.torchao]`` for the layers whose plan says torchao."""
         keep: list[str] = field(default_factory=list)
         """FQNs built as QuantLinear even where ``plans`` keeps them high: quantized in a later phase of the
-        schedule (titan/plan/schedule.py), or recording what-if statistics."""
+        schedule (titan/targets/schedule.py), or recording what-if statistics."""
 
     def __init__(self, config: Config):
         self.config = config
 
     def _layer_config(self, cfg, plan: LinearPlan):
         if plan.backends[0].startswith("torchao"):
-            from low_bits_training.titan.plan.torchao_backend import layer_config
+            from low_bits_training.titan.targets.torchao_backend import layer_config
 
             return layer_config(cfg, plan, self.config.torchao)
         return TitanQuantLinear.Config(
@@ -102,7 +102,7 @@ class PrecisionPlanConverter(QuantizationConverter):
 
 
 def _ours() -> tuple[type, ...]:
-    from low_bits_training.titan.plan.torchao_backend import TORCHAO_CONFIGS
+    from low_bits_training.titan.targets.torchao_backend import TORCHAO_CONFIGS
 
     return (Linear.Config, TitanQuantLinear.Config, *TORCHAO_CONFIGS)
 
@@ -147,7 +147,7 @@ def module_label(cfg) -> str:
         ao = torchao_config_of(cfg)
         if ao is None:
             return f"torchtitan {name}"
-        from low_bits_training.titan.plan.torchao_backend import float8_label
+        from low_bits_training.titan.targets.torchao_backend import float8_label
 
         return f"torchtitan {name} ({float8_label(ao)}{', emulate' if ao.emulate else ''})"
     return name
@@ -190,7 +190,7 @@ def convert_linears(config, plans: dict[str, LinearPlan], keep: set[str]) -> Non
     converter = PrecisionPlanConverter.Config(plans=mine, torchao=config.quantize.torchao, keep=sorted(keep))
     config.model_spec.model = converter.build().convert(config.model_spec.model)
     if any(p.backends[0].startswith("torchao") for p in mine.values()):
-        from low_bits_training.titan.plan.torchao_backend import install_fsdp_scale_precompute
+        from low_bits_training.titan.targets.torchao_backend import install_fsdp_scale_precompute
 
         install_fsdp_scale_precompute(config)
 
@@ -217,4 +217,4 @@ KIND = TargetKind(
     current=current_linears,
     converted=converted_linears,
 )
-"""Linear layers (router gates included) as a kind of plan target (``titan.plan.targets``)."""
+"""Linear layers (router gates included) as a kind of plan target (``titan.targets.registry``)."""

@@ -21,12 +21,12 @@ from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.attention import PRODUCTS, AttentionPlan, ProductState, quant_attention
 from low_bits_training.plan.attention import check_attention_parallelism
 from low_bits_training.plan.resolve import LayerShape
-from low_bits_training.titan.plan.target import TargetKind, TitanQuantState
 from low_bits_training.titan.platform import cpu
+from low_bits_training.titan.targets.kind import TargetKind, TitanQuantState
 
 
 class TitanProductState(ProductState, TitanQuantState):
-    """``ProductState`` under torchtitan's Module protocol (``titan.plan.target.TitanQuantState``)."""
+    """``ProductState`` under torchtitan's Module protocol (``titan.targets.kind.TitanQuantState``)."""
 
 
 @functools.cache
@@ -195,4 +195,4 @@ KIND = TargetKind(
     label=product_module_label,
     current=attention_plans,
 )
-"""Attention products (Q K^T, P V) as a kind of plan target (``titan.plan.targets``)."""
+"""Attention products (Q K^T, P V) as a kind of plan target (``titan.targets.registry``)."""

@@ -1,4 +1,4 @@
-"""``[quantize.comm]`` (config/comm.py, titan/plan/comm.py) against high-precision references.
+"""``[quantize.comm]`` (config/comm.py, titan/targets/wire.py) against high-precision references.
 
 - the bytes of a payload (``wire_bytes``) for known shapes, by hand;
 - bad sections refused in one line;
@@ -101,8 +101,8 @@ def _shard(model: nn.Sequential, cfg: CommConfig, param_dtype: torch.dtype | Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    from low_bits_training.titan.plan import comm
     from low_bits_training.titan.platform.cpu import force_sum_reductions
+    from low_bits_training.titan.targets import wire
 
     mesh = init_device_mesh("cpu", (2,))
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype)
@@ -113,7 +113,7 @@ def _shard(model: nn.Sequential, cfg: CommConfig, param_dtype: torch.dtype | Non
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
     force_sum_reductions(model)
-    assert comm.install(model, cfg) == 2
+    assert wire.install(model, cfg) == 2
     return model
 
 
@@ -156,16 +156,16 @@ def _sharded_grads(cfg: CommConfig, rank: int, draws: int = 1) -> list[dict[str,
 
 def _counted(cfg: CommConfig) -> dict[str, list[int]]:
     """The byte counters after exactly one all-gather of layer 0 and one reduce-scatter of both layers."""
-    from low_bits_training.titan.plan import comm
+    from low_bits_training.titan.targets import wire
 
     model = _shard(_model(), cfg)
-    for v in comm.BYTES.values():
+    for v in wire.BYTES.values():
         v[0] = v[1] = 0
     model[0].unshard()
-    out = {"all_gather": list(comm.BYTES["all_gather"])}
+    out = {"all_gather": list(wire.BYTES["all_gather"])}
     model[0].reshard()
     model(_data(0)).sum().backward()
-    out["reduce_scatter"] = list(comm.BYTES["reduce_scatter"])
+    out["reduce_scatter"] = list(wire.BYTES["reduce_scatter"])
     return out
 
 
@@ -191,8 +191,8 @@ def _partial(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from low_bits_training.titan.plan import comm
     from low_bits_training.titan.platform.cpu import force_sum_reductions
+    from low_bits_training.titan.targets import wire
 
     local = _TwoInOneUnit()
     local(_data(rank)).square().sum().backward()
@@ -200,15 +200,15 @@ def _partial(rank: int) -> dict:
     fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
     model.set_gradient_divide_factor(1.0)
     force_sum_reductions(model)
-    comm.install(model, CommConfig(reduce_scatter=PARTIAL_WIRE))
-    for v in comm.BYTES.values():
+    wire.install(model, CommConfig(reduce_scatter=PARTIAL_WIRE))
+    for v in wire.BYTES.values():
         v[0] = v[1] = 0
     model(_data(rank)).square().sum().backward()
     assert model.a.weight.grad is None
     return {
         "grad": model.b.weight.grad.to_local().clone(),
         "local": local.b.weight.grad,
-        "bytes": {k: list(v) for k, v in comm.BYTES.items()},
+        "bytes": {k: list(v) for k, v in wire.BYTES.items()},
     }
 
 
@@ -344,7 +344,7 @@ def test_reduce_scatter_of_a_partial_unit_casts_and_counts_what_is_sent(two_rank
 
 
 def test_sent_params_finds_the_one_subset_and_refuses_a_guess():
-    from low_bits_training.titan.plan.comm import sent_params
+    from low_bits_training.titan.targets.wire import sent_params
 
     params = [("a", 6), ("b", 4), ("c", 2)]
     assert sent_params(params, 12) == params

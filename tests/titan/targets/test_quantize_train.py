@@ -93,7 +93,7 @@ def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
 def test_presets_load_and_validate(path):
     from low_bits_training.config.quantize import QuantizeConfig
     from low_bits_training.titan.launch.configure import load_config
-    from low_bits_training.titan.plan.targets import apply_run
+    from low_bits_training.titan.targets.registry import apply_run
 
     config = load_config(path, [])
     assert config.quantize != QuantizeConfig() or path.stem == "debug_bf16"
@@ -196,8 +196,8 @@ def test_8b_presets_compile_and_take_torchao_kernels_on_their_gpus(preset, gpu, 
     from low_bits_training.nn.hardware import Hardware
     from low_bits_training.plan.backends import gemm_backend
     from low_bits_training.titan.launch.configure import load_config
-    from low_bits_training.titan.plan.attention import attention_layers
-    from low_bits_training.titan.plan.targets import plan_on
+    from low_bits_training.titan.targets.attention import attention_layers
+    from low_bits_training.titan.targets.registry import plan_on
 
     config = load_config(REPO / "train_configs" / f"{preset}.toml", [])
     assert config.compile.enable and "model" in config.compile.components

@@ -18,7 +18,7 @@ from low_bits_training.config.quantize import QuantizeConfig, QuantRule, Torchao
 from low_bits_training.nn import LinearPlan, quant_linear, torchao_modules
 from low_bits_training.nn.torchao_modules import torchao_recipe
 from low_bits_training.plan.resolve import LayerShape, resolve_plan
-from low_bits_training.titan.plan.torchao_backend import (
+from low_bits_training.titan.targets.torchao_backend import (
     TorchaoFloat8Linear,
     TorchaoMXFP8Linear,
     float8_config,
