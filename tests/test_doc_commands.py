@@ -386,3 +386,24 @@ def test_doctor_on_the_8b_preset_warns_of_the_tokenizer_and_shows_the_plan(clean
         "low-bits-training: config error: " + rows["config"][1].split(": training stops here")[0]
     ], refused.stderr[-3000:]
     assert not _status(root)
+
+
+@pytest.mark.slow
+def test_the_readmes_two_commands_in_order(clean_copy, tmp_path):
+    """Issue 41: the README's first command trains into the copy's ``outputs/`` and builds ``assets/``; the
+    tests run after it must neither read nor change them (``tests/conftest.py``'s guard fails a test that
+    changes them). Here: the first command with a flag, then the second (the fast tier, as ``./run_tests.sh``
+    runs it) in the same copy."""
+    root, env = clean_copy
+    first = subprocess.run(
+        ["bash", "-c", f"./run_llama_train.sh --training.steps 2 {SMALL}"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (root / "outputs" / "debug_model").is_dir() and (root / "assets" / "lbt_markov").is_dir()
+    tests = subprocess.run(
+        [".venv/bin/python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow or smoke"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    assert " passed" in tests.stdout.splitlines()[-1] and "failed" not in tests.stdout.splitlines()[-1]

@@ -62,8 +62,9 @@ def test_targets_of_a_moe_preset(debug_moe):
     assert not w1.plan.is_high_precision and wo.plan.is_high_precision  # MXFP8 on the experts only
 
 
-def test_debug_model_report_on_two_gpus(capsys):
-    argv = ["--config-file", "train_configs/debug_model.toml", "--gpu", "H100", "--gpu", "B200", "--recipe", "mxfp8", "--layers"]  # fmt: skip
+def test_debug_model_report_on_two_gpus(capsys, tmp_path):
+    argv = ["--config-file", "train_configs/debug_model.toml", "--gpu", "H100", "--gpu", "B200", "--recipe", "mxfp8", "--layers",
+            "--dump_folder", str(tmp_path / "run")]  # fmt: skip  # not the checkout's outputs/ (issue 41)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "H100: step speedup over bf16" in out and "B200: step speedup over bf16" in out

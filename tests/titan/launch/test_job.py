@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from helpers import DEBUG_TOML, REPO, write_toml
+from helpers import DEBUG_TOML, write_toml
 from low_bits_training.config.job import JobConfig
 from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.launch import launcher
@@ -15,10 +15,10 @@ from low_bits_training.titan.runtime.trainer import LowBitsTrainer
 
 
 @pytest.fixture(autouse=True)
-def _in_the_repo(monkeypatch):
-    monkeypatch.chdir(
-        REPO
-    )  # relative run folders and assets, as run_llama_train.sh resolves them; nothing is written
+def _elsewhere(monkeypatch, tmp_path):
+    # Relative run folders and assets resolve against the working directory, as under run_llama_train.sh:
+    # here a fresh one, never the checkout (whose outputs/ may hold the README's first run, issue 41).
+    monkeypatch.chdir(tmp_path)
 
 
 def _folder(*args: str, config=DEBUG_TOML) -> str:
