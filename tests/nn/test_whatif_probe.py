@@ -17,6 +17,7 @@ from low_bits_training.nn.recipes import recipe_specs
 from low_bits_training.nn.whatif import WhatIf, WhatIfLinear, _keys, reset
 from low_bits_training.numerics import SIZE, operand_stats
 from low_bits_training.numerics.whatif import block_range, format_binades, summarize_whatif, whatif_stats
+from low_bits_training.plan.whatif import resolve_whatif
 from low_bits_training.titan.runtime.numerics import NumericsMonitor
 
 NAMES = ("nvfp4", "mxfp4")
@@ -205,7 +206,8 @@ def test_monitor_writes_whatif_rows_beside_the_plans_own(tmp_path):
         whatif_layers=["2"],
         whatif_specs={"b8": {"format": "e2m1", "scaling": "block", "block_size": 8, "scale_format": "e8m0"}},
     )
-    mon = NumericsMonitor(cfg, [model], str(tmp_path))
+    tables = resolve_whatif(cfg, ["0", "2"], strict=False)
+    mon = NumericsMonitor(cfg, [model], str(tmp_path), whatif_tables=tables)
     x, _ = _inputs()
     try:
         mon.begin_step(1)

@@ -55,6 +55,24 @@ def test_no_other_module_enumerates_the_kinds():
                 assert not re.search(rf"\b{name}\(", text), f"{path.relative_to(REPO)} calls {name}"
 
 
+def test_the_plan_and_what_if_are_resolved_in_one_place():
+    # DESIGN: the resolved run is computed once per process; every rank and tool reads ``ResolvedRun``. The
+    # schedule (which resolves every phase's plan) and what-if are resolved by the registry alone.
+    package = REPO / "low_bits_training"
+    callers = {
+        name: sorted(
+            str(p.relative_to(package))
+            for p in package.rglob("*.py")
+            if re.search(rf"\b{name}\(", p.read_text()) and f"def {name}(" not in p.read_text()
+        )
+        for name in ("resolve_whatif", "resolve_schedule")
+    }
+    assert callers == {
+        "resolve_whatif": ["titan/targets/registry.py"],
+        "resolve_schedule": ["titan/targets/registry.py"],
+    }
+
+
 def test_entries_of_the_moe_model_by_kind_and_the_router_stays_high():
     config = _load(MOE)
     shapes, kinds = registry.entries(config)

@@ -76,11 +76,13 @@ class NumericsMonitor:
         layer_probes: bool = True,
         stats_steps=None,
         agree: bool = False,
+        whatif_tables: dict | None = None,
     ):
         """``layer_probes`` False (``layer_probes_work``): the layers record nothing; the non-finite policy
         still checks each microbatch's loss and the gradients. ``stats_steps``: a ``step -> bool`` that asks
         for statistics on more steps than ``stats_freq`` (the autopilot's). ``agree``: every rank returns
-        the same first non-finite value whatever the policy (the autopilot acts on it on every rank)."""
+        the same first non-finite value whatever the policy (the autopilot acts on it on every rank).
+        ``whatif_tables``: FQN -> ``WhatIf`` of the resolved run (``ResolvedRun.whatif``; none: no what-if)."""
         self.cfg, self.dump_folder, self.layer_probes = config, dump_folder, layer_probes
         self.stats_steps, self.agree = stats_steps, agree
         self.step, self.stats_on, self.skip = 0, False, False
@@ -88,7 +90,7 @@ class NumericsMonitor:
         self.params = [(n, p) for m in model_parts for n, p in m.named_parameters()]
         self.active = bool(config.stats_freq) or config.nonfinite != "off" or stats_steps is not None
         # [numerics] whatif: titan/runtime/numerics/whatif.py
-        self.whatif = whatif.attach(self.layers, config)
+        self.whatif = whatif.attach(self.layers, whatif_tables or {})
 
     def close(self) -> None:
         """Switch the layers' probes off again."""

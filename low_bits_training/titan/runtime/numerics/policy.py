@@ -11,6 +11,7 @@ from torchtitan.tools.logging import logger
 
 from low_bits_training.numerics import NonFinite
 from low_bits_training.run.exits import NonFiniteError
+from low_bits_training.titan.targets.registry import run_of
 
 from .monitor import NumericsMonitor, layer_probes_work
 
@@ -41,6 +42,7 @@ class TrainerExtras:
             probes,
             stats_steps=pilot.stats_step if pilot else None,
             agree=pilot is not None,
+            whatif_tables=run_of(cfg).whatif,  # resolved once per process, with the plan
         )
         if not probes and cfg.numerics.nonfinite != "off":
             logger.warning(

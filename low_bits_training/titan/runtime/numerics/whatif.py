@@ -1,7 +1,8 @@
 """What-if statistics in the trainer: which layers measure which alternatives, and their rows.
 
-``titan.targets.registry.resolve_run`` resolves ``[numerics] whatif*`` against the model at config time (one-line
-errors; the layers it names are built as QuantLinear); ``attach`` gives the built layers their tables; ``whatif_table`` reads the
+``titan.targets.registry.resolve_run`` resolves ``[numerics] whatif*`` against the model at config time, once
+per process (one-line errors; the layers it names are built as QuantLinear): ``ResolvedRun.whatif``. ``attach``
+gives this rank's built layers their tables from it; ``whatif_table`` reads the
 layers' ``lbt_whatif`` buffers at the end of a statistics step, reduced over every rank, as
 ``numerics.jsonl`` rows marked ``"whatif": <name>``.
 """
@@ -11,19 +12,23 @@ from __future__ import annotations
 import torch
 
 from low_bits_training.nn import ROLE_NAMES
-from low_bits_training.nn.whatif import WhatIfLinear, reset
+from low_bits_training.nn.whatif import WhatIf, WhatIfLinear, reset
 from low_bits_training.numerics.whatif import whatif_identity, whatif_reduce_ops, whatif_rows
-from low_bits_training.plan.whatif import resolve_whatif
 
 
-def attach(layers: list[tuple[str, torch.nn.Module]], cfg) -> list[tuple[str, WhatIfLinear]]:
-    """Give each selected layer of this rank its what-if table (``cfg``: the ``[numerics]`` section).
+def attach(
+    layers: list[tuple[str, torch.nn.Module]], tables: dict[str, WhatIf]
+) -> list[tuple[str, WhatIfLinear]]:
+    """Give each layer of this rank its what-if table (a pipeline stage holds some of the run's layers).
+
+    Args:
+        layers: ``(fqn, module)`` of this rank's targets.
+        tables: FQN -> ``WhatIf``, the resolved run's (``ResolvedRun.whatif``).
 
     Returns:
         ``(fqn, layer)`` of the layers that now record what-if statistics.
     """
     mine = [(f, m) for f, m in layers if isinstance(m, WhatIfLinear)]
-    tables = resolve_whatif(cfg, [f for f, _ in mine], strict=False)  # a pipeline stage holds some layers
     for fqn, layer in mine:
         layer.attach_whatif(tables.get(fqn))
     return [(f, m) for f, m in mine if m.whatif is not None]
