@@ -8,7 +8,7 @@
     sqnr_db = 0.0                         # ... whose SQNR falls under this floor (0: off)
     every = 10                            # statistics (and their triggers) on step 1 and every 10 steps
 
-What fires (``titan/runtime/autopilot.py`` acts on it):
+What fires (``titan/runtime/autopilot/`` acts on it):
 
 - a non-finite value in a quantized layer's GEMM (``nonfinite = true``; needs ``numerics.nonfinite`` on):
   the roles that made it are promoted and the step is run again from its start under the new plan (its

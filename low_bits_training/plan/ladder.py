@@ -1,10 +1,12 @@
-"""The autopilot's ladder (``[quantize.autopilot] ladder``): the spec a role gets one rung up. A recipe rung
-gives the role that recipe's spec for it, a format rung keeps the role's scaling, block and rounding and swaps
-the element format, ``high`` ends quantization of that role (``config.autopilot.rung_kind`` names the kinds)."""
+"""The autopilot's ladder (``[quantize.autopilot] ladder``), parsed once into typed rungs, and the spec a role
+gets one rung up. A recipe rung gives the role that recipe's spec for it, a format rung keeps the role's
+scaling, block and rounding and swaps the element format, ``high`` ends quantization of that role."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Literal
 
 from low_bits_training.config.autopilot import rung_kind
 from low_bits_training.formats import HIGH, QuantSpec
@@ -12,36 +14,55 @@ from low_bits_training.nn import ROLE_NAMES, ROLES
 from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.nn.roles import along_contraction
 
+RungKind = Literal["high", "recipe", "format"]
 
-def rung_spec(rung: str, role: str, current: QuantSpec) -> QuantSpec | None:
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung of the ladder: its name as the TOML gives it and what kind of name it is."""
+
+    name: str
+    kind: RungKind
+
+
+def parse_ladder(names: list[str], where: str = "quantize.autopilot.ladder") -> tuple[Rung, ...]:
+    """The typed rungs of ``[quantize.autopilot] ladder``, lowest first (the autopilot parses it once).
+
+    Raises:
+        ConfigError: a rung that names nothing (``config.autopilot.rung_kind``'s one line).
+    """
+    return tuple(Rung(n, rung_kind(n, f"{where}[{i}]")) for i, n in enumerate(names))
+
+
+def rung_spec(rung: Rung, role: str, current: QuantSpec) -> QuantSpec | None:
     """The spec ``role`` gets on ``rung`` from ``current`` (None: high precision).
 
     Raises:
         ValueError: the rung's format cannot take the current spec's other fields.
     """
-    kind = rung_kind(rung)
-    if kind == HIGH:
+    if rung.kind == HIGH:
         return None
-    if kind == "recipe":
-        return along_contraction(RECIPES[rung].get(role), ROLES[ROLE_NAMES.index(role)])
-    return dataclasses.replace(current, format=rung)
+    if rung.kind == "recipe":
+        return along_contraction(RECIPES[rung.name].get(role), ROLES[ROLE_NAMES.index(role)])
+    return dataclasses.replace(current, format=rung.name)
 
 
-def _on_rung(rung: str, role: str, spec: QuantSpec) -> bool:
-    kind = rung_kind(rung)
-    if kind == "recipe":
+def _on_rung(rung: Rung, role: str, spec: QuantSpec) -> bool:
+    if rung.kind == "recipe":
         return rung_spec(rung, role, spec) == spec
-    return kind == "format" and spec.format == rung
+    return rung.kind == "format" and spec.format == rung.name
 
 
-def promote(spec: QuantSpec | None, role: str, ladder: list[str]) -> tuple[QuantSpec | None, str] | None:
+def promote(
+    spec: QuantSpec | None, role: str, ladder: tuple[Rung, ...]
+) -> tuple[QuantSpec | None, str] | None:
     """The next spec up ``ladder`` for ``role`` now under ``spec``, and the rung's name.
 
     The rung above the highest rung ``spec`` is on (a spec on none goes to the top rung); a rung whose
     format cannot take the role's other fields is passed over.
 
     Returns:
-        ``(spec, rung)``, or None when there is nothing above (already high, or on the top rung).
+        ``(spec, rung name)``, or None when there is nothing above (already high, or on the top rung).
     """
     if spec is None:
         return None
@@ -53,5 +74,5 @@ def promote(spec: QuantSpec | None, role: str, ladder: list[str]) -> tuple[Quant
         except (TypeError, ValueError):
             continue
         if new != spec:
-            return new, rung
+            return new, rung.name
     return None

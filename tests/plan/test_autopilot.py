@@ -15,11 +15,12 @@ from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.state import QuantState
 from low_bits_training.numerics import NonFinite
-from low_bits_training.plan.ladder import promote
+from low_bits_training.plan.ladder import parse_ladder, promote
 from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.plan.schedule import resolve_schedule
-from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable, robust_z
-from low_bits_training.titan.runtime.snapshot import Snapshot, Snapshots
+from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable
+from low_bits_training.titan.runtime.autopilot.decisions import robust_z
+from low_bits_training.titan.runtime.autopilot.snapshot import Snapshot, Snapshots
 from low_bits_training.titan.targets.schedule import PrecisionSchedule
 
 NVFP4 = LinearPlan.from_recipe("nvfp4")
@@ -28,28 +29,28 @@ MXFP8 = LinearPlan.from_recipe("mxfp8")
 
 @pytest.mark.parametrize("role", ["forward.input", "dgrad.weight", "wgrad.input"])
 def test_a_recipe_ladder_gives_the_role_the_next_recipes_spec(role):
-    first = promote(NVFP4.spec(role), role, ["nvfp4", "mxfp8", "high"])
+    first = promote(NVFP4.spec(role), role, parse_ladder(["nvfp4", "mxfp8", "high"]))
     assert first == (MXFP8.spec(role), "mxfp8")  # with the role's own axis (wgrad: the token dim)
-    assert promote(first[0], role, ["nvfp4", "mxfp8", "high"]) == (None, "high")
+    assert promote(first[0], role, parse_ladder(["nvfp4", "mxfp8", "high"])) == (None, "high")
 
 
 def test_a_format_ladder_swaps_the_element_format_only():
     spec = NVFP4.spec("forward.input")
-    new, rung = promote(spec, "forward.input", ["e2m1", "e4m3", "high"])
+    new, rung = promote(spec, "forward.input", parse_ladder(["e2m1", "e4m3", "high"]))
     assert rung == "e4m3" and new.format == "e4m3"
     assert (new.scaling, new.block_size, new.scale_format) == ("block", 16, "ue4m3")
 
 
 def test_a_spec_on_no_rung_goes_to_the_top_and_the_top_goes_nowhere():
     spec = QuantSpec("e5m2", "none")
-    assert promote(spec, "dgrad.grad_output", ["e2m1", "e4m3", "bf16"]) == (None, "bf16")
-    assert promote(spec, "dgrad.grad_output", ["e2m1", "e5m2"]) is None  # on the top rung
-    assert promote(None, "dgrad.grad_output", ["high"]) is None  # already high
+    assert promote(spec, "dgrad.grad_output", parse_ladder(["e2m1", "e4m3", "bf16"])) == (None, "bf16")
+    assert promote(spec, "dgrad.grad_output", parse_ladder(["e2m1", "e5m2"])) is None  # on the top rung
+    assert promote(None, "dgrad.grad_output", parse_ladder(["high"])) is None  # already high
 
 
 def test_the_default_ladder_sends_a_role_to_high_precision():
     assert AutopilotConfig().ladder == ["high"]
-    assert promote(NVFP4.spec("forward.weight"), "forward.weight", ["high"]) == (None, "high")
+    assert promote(NVFP4.spec("forward.weight"), "forward.weight", parse_ladder(["high"])) == (None, "high")
 
 
 @pytest.mark.parametrize(

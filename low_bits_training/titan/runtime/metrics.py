@@ -78,7 +78,7 @@ class LowBitsMetricsProcessor(MetricLoggerHook, MetricsProcessor):
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float, **kwargs):
         """Upstream's log; the step's loss and gradient norm (the same on every rank) are kept in
-        ``last_logged`` for the autopilot's spike trigger (titan/runtime/autopilot.py)."""
+        ``last_logged`` for the autopilot's spike trigger (titan/runtime/autopilot/)."""
         self.last_logged = (step, float(global_avg_loss), float(grad_norm))
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
 

@@ -17,10 +17,9 @@ from low_bits_training.nn import saved as nn_saved
 from low_bits_training.run.secrets import redact
 from low_bits_training.titan.platform.ranks import rank
 from low_bits_training.titan.runtime import budget
-from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable
+from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable, restore
 from low_bits_training.titan.runtime.checkpoint import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
-from low_bits_training.titan.runtime.snapshot import restore
 from low_bits_training.titan.targets.delayed import install as install_amax_group
 from low_bits_training.titan.targets.experts import zero_expert_counts
 from low_bits_training.titan.targets.registry import live, run_of
@@ -83,7 +82,7 @@ class LowBitsTrainer(Trainer):
 
         With the autopilot's spike trigger (``[quantize.autopilot] spike_z``) a host snapshot is taken when
         due, and a spike rolls the state back to one: the steps after it run again here, with the batches
-        they drew the first time (titan/runtime/snapshot.py), before torchtitan's loop goes on.
+        they drew the first time (titan/runtime/autopilot/snapshot.py), before torchtitan's loop goes on.
         """
         pilot = extras_for(self).autopilot
         end, first = self.step, not self.__dict__.get("_lbt_stepped", False)

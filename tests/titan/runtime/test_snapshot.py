@@ -1,4 +1,4 @@
-"""Host snapshots (titan/runtime/snapshot.py): a restored state trains on bit for bit as the state it was
+"""Host snapshots (titan/runtime/autopilot/snapshot.py): a restored state trains on bit for bit as the state it was
 taken from, with the model's tensors written in place, for AdamW and for a low-bit optimizer state."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from low_bits_training.titan.runtime.snapshot import restore, take
+from low_bits_training.titan.runtime.autopilot.snapshot import restore, take
 
 
 class _Trainer(SimpleNamespace):

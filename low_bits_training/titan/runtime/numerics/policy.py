@@ -11,6 +11,7 @@ from torchtitan.tools.logging import logger
 
 from low_bits_training.numerics import NonFinite
 from low_bits_training.run.exits import NonFiniteError
+from low_bits_training.titan.runtime.autopilot import Autopilot, RedoStep
 from low_bits_training.titan.targets.registry import run_of
 
 from .monitor import NumericsMonitor, layer_probes_work
@@ -29,9 +30,7 @@ class TrainerExtras:
         self.trainer, self.cfg = trainer, cfg.numerics
         probes = layer_probes_work(cfg.parallelism.pipeline_parallel_degree, cfg.compile.enable)
         self.autopilot = None
-        if cfg.quantize.autopilot.enable:  # [quantize.autopilot]: titan/runtime/autopilot.py
-            from low_bits_training.titan.runtime.autopilot import Autopilot
-
+        if cfg.quantize.autopilot.enable:  # [quantize.autopilot]: titan/runtime/autopilot/
             ckpt = cfg.checkpoint.interval if cfg.checkpoint.enable else 0
             self.autopilot = Autopilot(cfg.quantize.autopilot, trainer._lbt_schedule, cfg.dump_folder, ckpt)
         pilot = self.autopilot
@@ -77,8 +76,6 @@ class TrainerExtras:
             return loss
         warn(event)
         if self.autopilot is not None and self.autopilot.on_nonfinite(event):
-            from low_bits_training.titan.runtime.autopilot import RedoStep
-
             raise RedoStep(event.message())
         if self.cfg.nonfinite == "stop":
             self._stop(event)

@@ -1,5 +1,9 @@
 """``[quantize.autopilot]`` in the trainer: promote the role of a layer that fails, and say so.
 
+This folder holds all of it: the decisions (``decisions``), the triggers and moves (``pilot``: non-finite
+values and statistics; ``spikes``: loss / gradient-norm spikes, rolled back to host snapshots from
+``snapshot``), and the step run again (``replay``).
+
 Two ways in (``config/autopilot.py`` has the section and the ladder):
 
 - ``on_nonfinite``: the numerics monitor named the first NaN / Inf of a microbatch (the same on every
@@ -22,112 +26,38 @@ that file and replays the decisions of the steps before it, so it runs the plans
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import statistics
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 
 from torchtitan.tools.logging import logger
 
 from low_bits_training.config.autopilot import AUTOPILOT_FILE, AutopilotConfig
 from low_bits_training.nn import ROLE_NAMES
 from low_bits_training.numerics import NonFinite
-from low_bits_training.plan.ladder import promote
+from low_bits_training.plan.ladder import parse_ladder, promote
 from low_bits_training.run.folder import read_jsonl
 from low_bits_training.titan.platform.ranks import is_rank0
+from low_bits_training.titan.runtime.autopilot.decisions import (
+    DEMOTE,
+    DEMOTIONS,
+    PROMOTIONS,
+    ROLLBACKS,
+    Decision,
+    label,
+)
+from low_bits_training.titan.runtime.autopilot.snapshot import Snapshots
+from low_bits_training.titan.runtime.autopilot.spikes import SpikeTrigger
 from low_bits_training.titan.targets.registry import TARGETS
 
-PROMOTIONS = "autopilot/promotions"
-"""Metric: promotions so far in the run (logged at each step that promotes)."""
-ROLLBACKS = "autopilot/rollbacks"
-"""Metric: rollbacks to a host snapshot so far (logged at each step that rolls back)."""
-DEMOTIONS = "autopilot/demotions"
-"""Metric: demotions so far (``demote_after``; logged at each step that demotes)."""
-DEMOTE = "clean"
-"""The trigger (and rung) of a demotion: the role ran ``value`` steps since its last move."""
 
-
-class RedoStep(Exception):
-    """Raised from a microbatch after a promotion: the trainer runs the step again under the new plan."""
-
-
-class Replayable:
-    """An iterator that remembers what it handed out since it was made; ``rewind`` hands the same again
-    (the batches of a step that runs again), then goes on with the source."""
-
-    def __init__(self, source: Iterator):
-        self.source, self.seen, self.pos = source, [], 0
-
-    def __iter__(self) -> Replayable:
-        return self
-
-    def __next__(self):
-        if self.pos < len(self.seen):
-            self.pos += 1
-            return self.seen[self.pos - 1]
-        item = next(self.source)
-        self.seen.append(item)
-        self.pos += 1
-        return item
-
-    def rewind(self) -> None:
-        self.pos = 0
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One promotion: a line of ``autopilot.jsonl``."""
-
-    step: int
-    layer: str
-    role: str
-    trigger: str
-    """``nonfinite`` (a NaN / Inf in ``value``'s GEMM product), a statistic (``saturation``, ``underflow``,
-    ``sqnr_db``), a spike (``loss_spike``, ``grad_norm_spike``) or ``clean`` (a demotion after ``value``
-    steps)."""
-    value: float | str
-    """The statistic's figure, or the flag slot that was non-finite (``forward.output``)."""
-    before: str
-    after: str
-    rung: str
-    seen: int = 0
-    """A spike's decision: the step that spiked (``step`` is the first step replayed under the new plan,
-    right after the snapshot the run went back to); 0 for the other triggers."""
-
-    def message(self) -> str:
-        figure = self.value if isinstance(self.value, str) else f"{self.value:.4g}"
-        back = f" (spike at step {self.seen}: rolled back to step {self.step - 1})" if self.seen else ""
-        if not self.layer:
-            return f"autopilot: step {self.step}: replay under the same plan{back}; {self.trigger} {figure}"
-        return (
-            f"autopilot: step {self.step}: {self.layer} {self.role} {self.before} -> {self.after} "
-            f"(rung {self.rung!r}; {self.trigger} {figure}){back}"
-        )
-
-
-def robust_z(history: list[float], value: float) -> float:
-    """How many robust standard deviations ``value`` lies above the median of ``history`` (median absolute
-    deviation x 1.4826, floored at 1e-3 of the median's size so a flat history does not divide by zero)."""
-    h = sorted(history)
-    n = len(h)
-    med = h[n // 2] if n % 2 else 0.5 * (h[n // 2 - 1] + h[n // 2])
-    dev = sorted(abs(x - med) for x in h)
-    mad = dev[n // 2] if n % 2 else 0.5 * (dev[n // 2 - 1] + dev[n // 2])
-    scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
-    return (value - med) / scale
-
-
-def _label(spec) -> str:
-    return spec.short() if spec is not None else "high"
-
-
-class Autopilot:
+class Autopilot(SpikeTrigger):
     """The decisions of one run over the switchable layers of ``schedule`` (a ``PrecisionSchedule``)."""
 
     def __init__(self, cfg: AutopilotConfig, schedule, dump_folder: str, checkpoint_every: int = 0):
         self.cfg, self.schedule = cfg, schedule
+        self.ladder = parse_ladder(cfg.ladder)  # typed rungs, parsed once
         self.path = os.path.join(dump_folder, AUTOPILOT_FILE)
         self.layers = dict(schedule.layers)
         self.decisions: list[Decision] = []
@@ -143,8 +73,6 @@ class Autopilot:
         self.last_table: list[dict] = []  # the newest statistics table (the spike's suspect)
         self.snapshots = None
         if cfg.spike_z:
-            from low_bits_training.titan.runtime.snapshot import Snapshots
-
             self.snapshots = Snapshots(cfg.snapshot_every, checkpoint_every, int(cfg.snapshot_gib * 2**30))
         watched = sum(not layer.plan.is_high_precision for layer in self.layers.values())
         logger.info(
@@ -174,7 +102,7 @@ class Autopilot:
         if is_rank0():  # a resumed run redoes the steps after its checkpoint: their decisions go
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             with open(self.path, "w") as f:
-                f.writelines(json.dumps(asdict(d)) + "\n" for d in earlier)
+                f.writelines(json.dumps(dataclasses.asdict(d)) + "\n" for d in earlier)
         if earlier:
             logger.info(f"autopilot: replayed {len(earlier)} decisions of steps before {step}")
 
@@ -215,14 +143,14 @@ class Autopilot:
                 continue
             clean = step - self._since[key]
             now, then = self._go_down(step, key)
-            self._record(Decision(step, *key, DEMOTE, float(clean), _label(now), _label(then), "down"))
+            self._record(Decision(step, *key, DEMOTE, float(clean), label(now), label(then), "down"))
             self._new_demotions += 1
 
     def _next(self, layer: str, role: str):
         """``(spec, rung)`` one rung above ``role`` of ``layer`` now, or None (``plan.ladder.promote``),
         the spec as the target takes it (``QuantState.fit_spec``: an expert weight drops RHT / delayed)."""
         target = self.layers[layer]
-        got = promote(target.plan.spec(role), role, self.cfg.ladder)
+        got = promote(target.plan.spec(role), role, self.ladder)
         return None if got is None else (target.fit_spec(got[0]), got[1])
 
     @property
@@ -246,7 +174,7 @@ class Autopilot:
         except ValueError as e:
             logger.warning(f"autopilot: {layer} {role} not promoted to {got[1]!r}: {e}")
             return False
-        self._record(Decision(step, layer, role, trigger, value, _label(spec), _label(got[0]), got[1], seen))
+        self._record(Decision(step, layer, role, trigger, value, label(spec), label(got[0]), got[1], seen))
         self._went_up(step, (layer, role), spec)
         self._new += 1
         return True
@@ -256,7 +184,7 @@ class Autopilot:
         logger.warning(d.message())
         if is_rank0():
             with open(self.path, "a") as f:
-                f.write(json.dumps(asdict(d)) + "\n")
+                f.write(json.dumps(dataclasses.asdict(d)) + "\n")
 
     def on_nonfinite(self, event: NonFinite) -> bool:
         """Promote the operands of the GEMM whose product was non-finite; True: run the step again."""
@@ -312,94 +240,3 @@ class Autopilot:
             out[DEMOTIONS] = float(self.demotions)
         self._new = self._new_rollbacks = self._new_demotions = 0
         return out
-
-    # -- spikes: snapshots and rollback (titan/runtime/snapshot.py; the trainer replays) --
-
-    def before_step(self, trainer, step: int, first: bool) -> None:
-        """Take a host snapshot of the state ``step`` starts from when one is due (``Snapshots.due``)."""
-        snaps = self.snapshots
-        if snaps is None or not snaps.due(step, first):
-            return
-        from low_bits_training.titan.runtime.snapshot import take
-
-        snap = take(trainer, step - 1)
-        announce = not snaps.kept and not snaps.off
-        snaps.add(snap)
-        if snaps.off:
-            logger.warning(f"autopilot: no snapshots kept ({snaps.off}): spikes are logged, not rolled back")
-        elif announce:
-            logger.info(
-                f"autopilot: host snapshot of step {snap.step}: {snap.nbytes / 2**20:.1f} MiB on this rank, "
-                f"{snap.seconds * 1e3:.0f} ms (every {snaps.every} steps and at checkpoints; 2 kept)"
-            )
-
-    def spike(self, step: int, loss: float, grad_norm: float) -> tuple[str, float] | None:
-        """``(what, z)`` when ``step``'s logged loss or gradient norm spikes, else None: over a full window of
-        earlier logged steps, ``robust_z`` above ``spike_z`` and the value above the median by its share
-        (``spike_loss_rise``, ``spike_grad_rise``). The step joins the window either way."""
-        cfg = self.cfg
-        if not cfg.spike_z:
-            return None
-        past = [v for k, v in sorted(self.history.items()) if k < step][-cfg.spike_window :]
-        self.history[step] = (loss, grad_norm)
-        if len(past) < cfg.spike_window:
-            return None
-        rises = (cfg.spike_loss_rise, cfg.spike_grad_rise)
-        for i, what in enumerate(("loss", "grad_norm")):
-            window, value = [v[i] for v in past], (loss, grad_norm)[i]
-            z = robust_z(window, value)
-            if z > cfg.spike_z and value > statistics.median(window) * (1 + rises[i]):
-                return what, z
-        return None
-
-    def after_step(self, trainer, step: int, logged: tuple[int, float, float] | None):
-        """The snapshot to roll back to after ``step`` (None: go on). A spike with a snapshot to go back to
-        and rollbacks left promotes the worst role (``on_spike = "promote"``) or nothing, and says so."""
-        if logged is None or logged[0] != step:
-            return None
-        hit = self.spike(step, logged[1], logged[2])
-        if hit is None:
-            return None
-        what, z = hit
-        back = self.snapshots.target(step) if self.snapshots is not None else None
-        why = (
-            self.snapshots.off or "no snapshot yet" if back is None
-            else f"max_rollbacks = {self.cfg.max_rollbacks} reached" if self.rollbacks >= self.cfg.max_rollbacks
-            else ""
-        )  # fmt: skip
-        if why:
-            logger.warning(f"autopilot: step {step}: {what} spike (z = {z:.1f}) not rolled back: {why}")
-            return None
-        suspect = self.suspect() if self.cfg.on_spike == "promote" else None
-        if suspect is None and self._rolled.get(step):
-            logger.warning(
-                f"autopilot: step {step}: {what} spike (z = {z:.1f}) again after a replay under the same plan: "
-                "kept (it is not a transient fault, and no role is left to promote)"
-            )
-            return None
-        self.rollbacks += 1
-        self._new_rollbacks += 1
-        self._rolled[step] = self._rolled.get(step, 0) + 1
-        self.history = {k: v for k, v in self.history.items() if k <= back.step}
-        self.snapshots.back_to(back.step)
-        trigger = f"{what}_spike"
-        if suspect is None or not self._promote(back.step + 1, *suspect, trigger, z, seen=step):
-            self._record(Decision(back.step + 1, "", "", trigger, z, "", "", "", step))
-        return back
-
-    def suspect(self) -> tuple[str, str] | None:
-        """``(layer, role)`` the newest statistics table finds worst among the roles that can go up: the
-        most clipped, else the most flushed to zero, else the lowest SQNR (None: no table, or nothing)."""
-        if self.promotions >= self.cfg.max_promotions:
-            return None
-        rows = [
-            r for r in self.last_table
-            if not r.get("whatif") and r["layer"] in self.layers and self._next(r["layer"], r["role"])
-        ]  # fmt: skip
-        for key, sign in (("clipping", 1.0), ("underflow", 1.0), ("sqnr_db", -1.0)):
-            scored = [(sign * float(r[key]), r) for r in rows if not math.isnan(float(r[key]))]
-            scored = [(v, r) for v, r in scored if v > 0 or key == "sqnr_db"]
-            if scored:
-                best = max(scored, key=lambda vr: vr[0])[1]
-                return best["layer"], best["role"]
-        return None
