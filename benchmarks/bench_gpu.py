@@ -80,7 +80,8 @@ def plans(recipe: str, k: int, n: int, tokens: int):
 def torchao_row(lin: torch.nn.Linear, plan) -> tuple[str, torch.nn.Module | None]:
     """(label, module) for torchao's module of ``plan``, or (why not, None)."""
     from low_bits_training.nn.hardware import detect_hardware
-    from low_bits_training.nn.torchao_modules import torchao_linear, torchao_recipe
+    from low_bits_training.nn.torchao_modules import torchao_linear
+    from low_bits_training.nn.torchao_recipes import torchao_recipe
     from low_bits_training.plan.backends import torchao_kernel_refusal
 
     recipe = torchao_recipe(plan)

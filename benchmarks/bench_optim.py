@@ -79,9 +79,9 @@ def _rss_mib() -> float:
 
 
 def _state_bytes(opt) -> int:
-    """Bytes of this rank's optimizer-state tensors except the step counters (``optim.budget.live_bytes``:
+    """Bytes of this rank's optimizer-state tensors except the step counters (``optim.live_bytes.live_bytes``:
     subclasses by their parts, each storage once)."""
-    from low_bits_training.optim.budget import live_bytes
+    from low_bits_training.optim.live_bytes import live_bytes
 
     held = live_bytes([], opt.state.values()).nbytes
     return sum(b for state, b in held.items() if state != "step")

@@ -14,7 +14,7 @@ from typing import Any
 from low_bits_training.cli.checks import Check, check_disk
 from low_bits_training.nn import GEMMS
 from low_bits_training.nn.hardware import Hardware
-from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.plan.backends import gemm_backend, torchao_kernel_refusal
 
 HUB_FREE_DATASETS = ("lbt_markov", "lbt_markov_validation")

@@ -1,7 +1,7 @@
 """The one mechanism behind our TOML sections (``[job]``, ``[profiling]``, ``[numerics]``, ``[quantize]``):
 typed fields (``Literal[...]`` for choices, ``Annotated[int, AtLeast(0)]`` for bounds), checked when the
 section is built, when the TOML sets its fields and when a command-line flag rebuilds it. The checks of one
-field live in its annotation and ``tree.coerce`` reads them, so a value built from TOML is refused under its
+field live in its annotation and ``fields.coerce`` reads them, so a value built from TOML is refused under its
 own key (``quantize.rules[0].scaling``) and a section built in Python is refused the same way.
 
     @dataclass(kw_only=True, slots=True)
@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from low_bits_training.config.tree import Checked, coerce, field_types
+from low_bits_training.config.fields import coerce, field_types
+from low_bits_training.config.tree import Checked
 from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 
@@ -70,7 +71,7 @@ class Retired:
 def check_fields(obj: Any, section: str) -> None:
     """Check every public field of dataclass ``obj`` against its annotation, nested sections included.
 
-    Each field is checked by ``tree.coerce`` (its type, ``Literal`` choices and ``Annotated`` rules); a field
+    Each field is checked by ``fields.coerce`` (its type, ``Literal`` choices and ``Annotated`` rules); a field
     that holds a dataclass, or a list of them, is checked field by field under its own key
     (``quantize.rules[0].scaling``).
 

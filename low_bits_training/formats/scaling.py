@@ -17,7 +17,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import adaptive
-from .rounding import compiling_for_cpu, exp2i, floor_log2, round_to
+from .native import compiling_for_cpu
+from .rounding import exp2i, floor_log2, round_to
 from .spec import QuantSpec
 from .table import get_format
 

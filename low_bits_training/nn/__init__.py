@@ -3,11 +3,12 @@
 The public surface: a plan (``LinearPlan``, its roles and GEMMs; ``LinearPlan.from_recipe``), the layer
 (``QuantLinear``) and its functional (``quant_linear``; ``linear`` also takes DTensors), and what the in-graph
 probes record (``ProbeMode``). The rest (the autograd function, casts, kernels, probe slots) is reached
-through its own module (``nn.functional``, ``nn.cast``, ``nn.kernels``, ``nn.probe``, ``nn.linear``).
+through its own module (``nn.functional``, ``nn.gemm``, ``nn.cast``, ``nn.kernels``, ``nn.probe``, ``nn.linear``).
 See docs/nn.md.
 """
 
-from .functional import GEMM_OPERANDS, quant_linear
+from .functional import quant_linear
+from .gemm import GEMM_OPERANDS
 from .linear import QuantLinear
 from .probe import ProbeMode
 from .roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan, Role

@@ -32,7 +32,7 @@ from torch import nn
 from low_bits_training.formats import QuantSpec
 
 from . import probe
-from .functional import GEMM_OPERANDS, GemmState, cast_operand, source_operand
+from .gemm import GEMM_OPERANDS, GemmState, cast_operand, source_operand
 from .probe import NO_STATE, LayerState, ProbeMode
 from .roles import GEMMS, ROLES, LinearPlan, Role
 from .state import QuantState
@@ -87,7 +87,7 @@ def attention_gemm(
     mode: ProbeMode,
     record: bool,
 ) -> torch.Tensor:
-    """One GEMM of one product on batched operands (``nn.functional.run_gemm``'s table, ``.mT`` for ``.t()``).
+    """One GEMM of one product on batched operands (``nn.gemm.run_gemm``'s table, ``.mT`` for ``.t()``).
 
     Args:
         gemm: "forward" | "dgrad" | "wgrad".

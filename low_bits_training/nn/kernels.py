@@ -1,7 +1,7 @@
 """Our own real fp8 GEMM (``torch._scaled_mm``), kept as a reference, and the emulation's bf16-input GEMM that
 accumulates into fp32 (``mm_fp32_accumulate``); torchao's modules are the real kernels.
 
-- Real kernels come from torchao: ``nn.torchao_modules`` (which torchao module computes a plan) and the torchao
+- Real kernels come from torchao: ``nn.torchao_recipes`` (which torchao module computes a plan) and the torchao
   backend (``plan.backends``, ``titan.targets.torchao_backend``).
 - ``scaled_mm`` here: our cast + ``torch._scaled_mm`` (fp8 e4m3/e5m2, tensorwise or rowwise fp32 scales). It is
   a real fp8 GEMM that also runs on the CPU in torch 2.14.1, and the emulation is held to it bit for bit
@@ -85,7 +85,7 @@ def scaled_mm(
 @torch.library.custom_op("lbt::mm_fp32_accumulate", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def mm_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of fp32 operands whose every value is a bf16 number: exact products, fp32 accumulation,
-    fp32 result (a bf16-input, fp32-output GEMM; the emulated GEMMs' fast path, ``nn.functional``).
+    fp32 result (a bf16-input, fp32-output GEMM; the emulated GEMMs' fast path, ``nn.gemm``).
 
     On the CPU it runs oneDNN's fp32 GEMM with bf16 inputs (``torch.backends.mkldnn.matmul.fp32_precision
     = "bf16"``, set for this call only): on CPUs with AMX (``cpu_bf16_gemm``) a bf16 kernel, 3-5x faster

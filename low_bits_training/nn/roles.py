@@ -38,7 +38,7 @@ def same_cast(later: QuantSpec | None, earlier: QuantSpec | None) -> bool:
     deterministic rounding (stochastic rounding draws per role), no RHT (it runs along the contraction dim),
     read from the high-precision tensor. Delayed scaling qualifies: the two roles' histories record the
     same tensor's amax at the same points (a reuse records it into the later role's history too,
-    ``nn.functional.run_gemm``), so they hold the same entries and give the same scale."""
+    ``nn.gemm.run_gemm``), so they hold the same entries and give the same scale."""
     return (
         later is not None
         and later == earlier

@@ -14,7 +14,7 @@ from torch import nn
 from low_bits_training.formats import QuantSpec
 
 from . import delayed, probe, rng
-from .functional import GemmState
+from .gemm import GemmState
 from .roles import LinearPlan
 
 STATE_BUFFERS = ("lbt_key", "lbt_stats", "lbt_flags")

@@ -33,12 +33,8 @@ from low_bits_training.formats import (
     group_scales,
     round_to,
 )
-from low_bits_training.formats.rounding import (
-    native_fp8_dtype,
-    nearest_thresholds,
-    round_signed_,
-    threshold_format,
-)
+from low_bits_training.formats.native import native_fp8_dtype
+from low_bits_training.formats.rounding import nearest_thresholds, round_signed_, threshold_format
 from low_bits_training.formats.table import FloatFormat, Format, IntFormat
 
 from .presets import NATIVE

@@ -10,7 +10,7 @@ table, ``lbt-doctor``, the benchmarks and the docs all ask that function. Values
 - ``torchao_emulated``: torchao's module in its own emulated mode (CPU, or a GPU without the kernel).
 - ``torchtitan``: a layer the base's own torchtitan converter already swapped (its numerics are torchtitan's).
 
-Which layers torchao can take follows from the plan alone (``nn.torchao_modules.torchao_recipe``): a layer goes to
+Which layers torchao can take follows from the plan alone (``nn.torchao_recipes.torchao_recipe``): a layer goes to
 torchao only when torchao's module computes the same numerics as the layer's plan. Why a layer does not get
 torchao's kernel (no module computes its plan, its shape, the hardware, a kernel missing from the installed
 torchao) is ``fallback_reason``: one answer for the plan table, lbt-doctor and the logs.
@@ -25,7 +25,7 @@ from low_bits_training.errors import ConfigError
 from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.nn.recipes import RECIPES
-from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
+from low_bits_training.nn.torchao_recipes import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
 
 GemmBackend = Literal["high", "emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
 TORCHAO_BACKENDS = ("torchao", "torchao_emulated")
@@ -80,7 +80,7 @@ def grouped_backends(
     plan: LinearPlan, setting: str, hw: Hardware, in_features: int, out_features: int, tp: int = 1
 ) -> tuple[str, ...]:
     """``layer_backends`` of MoE expert weights: torchao's grouped-GEMM recipe
-    (``nn.torchao_modules.torchao_grouped_recipe``, run by torchtitan's experts classes) where it computes the
+    (``nn.torchao_recipes.torchao_grouped_recipe``, run by torchtitan's experts classes) where it computes the
     plan and the device has its kernel; under ``torchao`` its emulated mode where torchao has one (MXFP8)."""
     recipe = torchao_grouped_recipe(plan) if setting != "emulate" else None
     m = recipe.dim_multiple if recipe is not None else 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn.functional import exact_in_bf16
+from low_bits_training.nn.gemm import exact_in_bf16
 from low_bits_training.nn.roles import GEMMS, ROLE_NAMES, ROLES, LinearPlan
 from low_bits_training.plan.resolve import EntryKind
 
@@ -137,8 +137,8 @@ def gemm_dtype(a: QuantSpec | None, b: QuantSpec | None, gpu: GpuSpec) -> str:
 def emulated_gemm_dtype(a: QuantSpec | None, b: QuantSpec | None, backend: str) -> str:
     """The dtype an emulated GEMM multiplies in on a GPU (bf16 mixed precision).
 
-    Ours (``emulate``, ``nn.functional``): bf16 where both operands' GEMM parts are bf16 numbers
-    (``nn.functional.exact_in_bf16``: mxfp8, nvfp4, fp8 per tensor or row), else fp32 (deepseek_fp8's
+    Ours (``emulate``, ``nn.gemm``): bf16 where both operands' GEMM parts are bf16 numbers
+    (``nn.gemm.exact_in_bf16``: mxfp8, nvfp4, fp8 per tensor or row), else fp32 (deepseek_fp8's
     exact fp32 block scales): CUDA cores, since torch leaves TF32 off. torchao's emulated mode
     (``torchao_emulated``) dequantizes to fp32 and multiplies there (torchao/float8/float8_ops.py).
     """

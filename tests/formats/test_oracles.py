@@ -7,7 +7,7 @@ import torch
 from formats_helpers import assert_same_bits, ml_cast, ml_codes, probe_values
 
 from low_bits_training.formats import decode, encode, get_format, round_to
-from low_bits_training.formats.rounding import E4M3_CAST_SATURATES
+from low_bits_training.formats.native import E4M3_CAST_SATURATES
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from low_bits_training.formats import get_format, round_to
+from low_bits_training.formats import native as native_mod
 from low_bits_training.formats import rounding as rounding_mod
 from low_bits_training.formats.reference import ref_decode, ref_round
 from low_bits_training.formats.rounding import round_magnitude
@@ -44,8 +45,8 @@ def impl(request, monkeypatch):
     compiled CPU code and CUDA run for e4m3; eager CPU code for e5m2), on the fast paths without the casts
     (the add/sub trick: eager CPU e4m3, compiled CPU e5m2), and on the generic exponent-based path."""
     monkeypatch.setattr(rounding_mod, "FAST_PATHS", request.param != "generic")
-    monkeypatch.setattr(rounding_mod, "NATIVE_FP8_CASTS", request.param == "fast")
-    monkeypatch.setattr(rounding_mod, "EAGER_CPU_ROUND_TRIP_DTYPES", rounding_mod.FP8_CAST_DTYPES)
+    monkeypatch.setattr(native_mod, "NATIVE_FP8_CASTS", request.param == "fast")
+    monkeypatch.setattr(native_mod, "EAGER_CPU_ROUND_TRIP_DTYPES", native_mod.FP8_CAST_DTYPES)
     return request.param
 
 

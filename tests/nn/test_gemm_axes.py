@@ -6,7 +6,7 @@ from nn_helpers import operands, plan_for
 
 from low_bits_training.formats import QuantSpec, fake_quantize
 from low_bits_training.nn import ROLES, LinearPlan, QuantLinear, quant_linear
-from low_bits_training.nn.functional import run_gemm
+from low_bits_training.nn.gemm import run_gemm
 
 
 def test_role_axes():

@@ -1,4 +1,4 @@
-"""The emulated GEMMs run in bf16 where that is exact (``nn.functional.gemm_dtype``): operands whose GEMM
+"""The emulated GEMMs run in bf16 where that is exact (``nn.gemm.gemm_dtype``): operands whose GEMM
 parts (``Factored.inner``) are all bf16 numbers (grids of <= 8 significant bits times in-block scales that
 keep them so), when the result is bf16. A bf16 result with no outer scale comes straight from a bf16 GEMM;
 fp32 tensor / per-row scales (fp8 tensorwise) and NVFP4's tensor scale multiply an fp32-accumulated bf16
@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from low_bits_training.formats import factored_quantize, fake_quantize
 from low_bits_training.nn import ROLES, LinearPlan, kernels
-from low_bits_training.nn.functional import GEMM_OPERANDS, gemm_dtype, quant_linear
+from low_bits_training.nn.functional import quant_linear
+from low_bits_training.nn.gemm import GEMM_OPERANDS, gemm_dtype
 
 EXPECTED = {  # recipe -> GEMM of the (forward, dgrad, wgrad) products with bf16 activations and weights
     "fp8_rowwise": ("bf16", "bf16", "bf16"),

@@ -10,8 +10,9 @@ from nn_helpers import plan_for, saved_bytes, sqnr_db
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import LinearPlan, functional, rng
 from low_bits_training.nn.cast import cast
-from low_bits_training.nn.functional import run_gemm
-from low_bits_training.nn.grouped import Groups, group_cast, grouped_linear, pad_multiple, run_grouped_gemm
+from low_bits_training.nn.gemm import run_gemm
+from low_bits_training.nn.group_cast import group_cast
+from low_bits_training.nn.grouped import Groups, grouped_linear, pad_multiple, run_grouped_gemm
 from low_bits_training.nn.recipes import RECIPES
 
 QUANTIZED = sorted(set(RECIPES) - {"bf16"})

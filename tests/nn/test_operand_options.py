@@ -13,7 +13,7 @@ from nn_helpers import linear_grads, operands, plan_for, sqnr_db
 from low_bits_training.formats import QuantSpec, fake_quantize
 from low_bits_training.formats.hadamard import rht, sign_vector
 from low_bits_training.nn import ROLE_NAMES, LinearPlan, QuantLinear, quant_linear, rng
-from low_bits_training.nn.functional import run_gemm
+from low_bits_training.nn.gemm import run_gemm
 
 HIGH = QuantSpec("fp32", "none")  # "quantizes" to fp32: the identity on fp32 values
 

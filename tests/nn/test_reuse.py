@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from low_bits_training.formats import QuantSpec
-from low_bits_training.nn import delayed, functional, probe
-from low_bits_training.nn.functional import GemmState, quant_linear, run_gemm
+from low_bits_training.nn import delayed, gemm, probe
+from low_bits_training.nn.functional import quant_linear
+from low_bits_training.nn.gemm import GemmState, run_gemm
 from low_bits_training.nn.probe import LayerState, ProbeMode
 from low_bits_training.nn.roles import ROLE_NAMES, LinearPlan
 
@@ -93,10 +94,8 @@ def test_delayed_scaling_reuses_and_keeps_every_history(monkeypatch):
 
 def test_four_casts_instead_of_six(monkeypatch):
     seen = []
-    cast = functional.cast_factored
-    monkeypatch.setattr(
-        functional, "cast_factored", lambda t, spec, *a: seen.append(a[2]) or cast(t, spec, *a)
-    )
+    cast = gemm.cast_factored
+    monkeypatch.setattr(gemm, "cast_factored", lambda t, spec, *a: seen.append(a[2]) or cast(t, spec, *a))
     x, w, dy = _operands(torch.bfloat16)
     _train(x, w, dy, LinearPlan.from_recipe("fp8_tensorwise"))
     assert seen == ["forward.input", "forward.weight", "dgrad.grad_output", "dgrad.weight"]

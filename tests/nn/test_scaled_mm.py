@@ -6,7 +6,7 @@ fp32 tensor scales: fp32 inputs, the e4m3 x e4m3 forward GEMM differs in the las
 largest output; the CPU kernel applies the scales in another order), grad_input and grad_weight stay bit for
 bit; bf16 inputs, all three differ by at most one bf16 ulp (or 1e-6 of the largest output, where sums
 cancel) on < 0.1% of the elements (the emulation multiplies the fp32 accumulation by the two scales, as a
-GPU kernel's epilogue does, ``nn.functional.product``; torch's CPU kernel scales the operands first).
+GPU kernel's epilogue does, ``nn.gemm.product``; torch's CPU kernel scales the operands first).
 bf16 inputs with power-of-two scales: the emulation's GEMM is oneDNN's bf16 kernel, whose fp32 sums run in
 the kernel's own order: bit for bit with ``_scaled_mm`` on CPUs with AMX, the same one-ulp bound without
 (one element of 61440 differed by one bf16 ulp on an AVX512-BF16 Xeon without AMX).

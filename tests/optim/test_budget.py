@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from low_bits_training.optim import LowBitAdamW, LowBitSGD
-from low_bits_training.optim.budget import Sharding, live_bytes, state_bytes
+from low_bits_training.optim.budget import Sharding, state_bytes
+from low_bits_training.optim.live_bytes import live_bytes
 
 
 def _model() -> nn.Module:

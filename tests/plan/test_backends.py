@@ -11,7 +11,7 @@ from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import GEMMS, LinearPlan
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.nn.recipes import RECIPES
-from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.plan.backends import gemm_backend
 from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.plan.table import format_plan, plan_to_json

@@ -239,7 +239,8 @@ TORCHAO_TOLERANCE = {
 
 def torchao_vs_emulation(recipe: str, device: str, emulated: bool = False) -> dict:
     """torchao's module (its kernel; ``emulated``: its emulated mode) against our emulation, bf16 inputs."""
-    from low_bits_training.nn.torchao_modules import torchao_linear, torchao_recipe
+    from low_bits_training.nn.torchao_modules import torchao_linear
+    from low_bits_training.nn.torchao_recipes import torchao_recipe
 
     plan = LinearPlan.from_recipe(recipe)
     lin, x, dy = operands(device, torch.bfloat16)
@@ -256,7 +257,7 @@ def torchao_rows(ctx) -> list[dict]:
     """Each summary recipe torchao computes: its kernel against our emulation where this GPU has the kernel,
     else a skip with ``plan.backends``' reason (MXFP8 needs SM100: no false failure on an H100)."""
     from low_bits_training.nn.hardware import detect_hardware
-    from low_bits_training.nn.torchao_modules import torchao_recipe
+    from low_bits_training.nn.torchao_recipes import torchao_recipe
     from low_bits_training.plan.backends import torchao_kernel_refusal
 
     from .catalog import RECIPES as SUMMARY

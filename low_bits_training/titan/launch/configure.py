@@ -24,16 +24,9 @@ from typing import Any
 import tomli_w
 
 from low_bits_training.config.argv import flag_names, flag_value, scan
+from low_bits_training.config.fields import coerce, field_types, literal_choices, named_choices, public_fields
 from low_bits_training.config.job import BASE_SHAPE, JobConfig
-from low_bits_training.config.tree import (
-    apply_dict,
-    coerce,
-    diff,
-    field_types,
-    literal_choices,
-    named_choices,
-    public_fields,
-)
+from low_bits_training.config.tree import apply_dict, diff
 from low_bits_training.errors import ConfigError
 from low_bits_training.run.folder import COMMAND_TXT, CONFIG_JSON, CONFIG_TOML, write_atomic
 from low_bits_training.run.secrets import redact, redact_argv, wandb_credentials

@@ -2,7 +2,7 @@
 
 ``planned`` builds the model on the meta device and the optimizers on it exactly as the trainer does
 (torchtitan's param groups, our options), then counts bytes with ``optim.budget.state_bytes``: no tensor
-memory. ``measured`` sums ``optim.budget.live_bytes`` over every rank after an optimizer step. The trainer's
+memory. ``measured`` sums ``optim.live_bytes.live_bytes`` over every rank after an optimizer step. The trainer's
 first step in each process (``report``) logs both as a table, writes them to ``<dump_folder>/state_bytes.json``
 (``run.folder.STATE_BYTES_JSON``) and into the metrics (``memory/state_bytes_per_param/<state>``, measured,
 and ``.../plan_total``); lbt-doctor shows the computed table (``cli/config_checks.check_state_bytes``).
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from low_bits_training.optim.budget import Sharding, StateBytes, format_budget, live_bytes, state_bytes
+from low_bits_training.optim.budget import Sharding, StateBytes, format_budget, state_bytes
+from low_bits_training.optim.live_bytes import live_bytes
 from low_bits_training.run.folder import STATE_BYTES_JSON, STATE_BYTES_METRIC, write_atomic
 from low_bits_training.titan.platform.ranks import rank, world_size
 

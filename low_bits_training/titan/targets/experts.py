@@ -39,7 +39,7 @@ from torchtitan.trainer import Trainer
 from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
-from low_bits_training.nn.torchao_modules import TorchaoGroupedRecipe, torchao_grouped_recipe
+from low_bits_training.nn.torchao_recipes import TorchaoGroupedRecipe, torchao_grouped_recipe
 from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.titan.platform.compat import config_owner, grouped_experts_class, qwen3_builders
 from low_bits_training.titan.targets.kind import TargetKind, TitanQuantState

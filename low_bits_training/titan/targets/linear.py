@@ -22,7 +22,7 @@ from low_bits_training.config.quantize import TorchaoOptions
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.hardware import detect_hardware
 from low_bits_training.nn.state import HISTORY_BUFFER, STATE_BUFFERS
-from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.nn.whatif import WhatIfLinear
 from low_bits_training.plan.backends import torchao_kernel_refusal, torchao_shape_refusal
 from low_bits_training.plan.resolve import LayerShape

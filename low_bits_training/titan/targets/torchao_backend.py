@@ -1,6 +1,6 @@
 """The torchao backend: torchao's training modules in torchtitan's config tree, for layers the plan hands them.
 
-A layer goes to torchao when ``nn.torchao_modules.torchao_recipe`` finds a torchao module that computes its plan
+A layer goes to torchao when ``nn.torchao_recipes.torchao_recipe`` finds a torchao module that computes its plan
 and ``layer_backends`` chose it. The modules are torchtitan's own classes over torchao's
 (``components/quantization/float8.py`` ``Float8Linear``, ``mx.py`` ``MXFP8Linear``), subclassed here to carry
 the layer's plan and torchao's options; torchtitan's *converters* are not used, because they
@@ -31,7 +31,7 @@ from torchtitan.tools.logging import logger
 from low_bits_training.config.quantize import TorchaoOptions
 from low_bits_training.nn import LinearPlan, torchao_modules
 from low_bits_training.nn.hardware import detect_hardware
-from low_bits_training.nn.torchao_modules import TorchaoRecipe, torchao_recipe
+from low_bits_training.nn.torchao_recipes import TorchaoRecipe, torchao_recipe
 from low_bits_training.plan.backends import mxfp8_dim1_kernel
 from low_bits_training.titan.platform.compat import guard_fp8_stores
 

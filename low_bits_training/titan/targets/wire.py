@@ -297,7 +297,7 @@ def _is_torchao_fp8(spec: QuantSpec | None) -> bool:
 
 
 def _all_float8_tensorwise(plans: dict) -> bool:
-    from low_bits_training.nn.torchao_modules import torchao_recipe
+    from low_bits_training.nn.torchao_recipes import torchao_recipe
 
     recipes = [torchao_recipe(p) for p in plans.values() if p.backends[0].startswith("torchao")]
     weights = [r.float8_casts[1][1] for r in recipes if r is not None and r.module == "Float8Linear"]

@@ -16,7 +16,7 @@ from torchtitan.models.common.linear import Linear
 
 from low_bits_training.config.quantize import QuantizeConfig, QuantRule, TorchaoOptions
 from low_bits_training.nn import LinearPlan, quant_linear, torchao_modules
-from low_bits_training.nn.torchao_modules import torchao_recipe
+from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.titan.targets.torchao_backend import (
     TorchaoFloat8Linear,
@@ -65,7 +65,7 @@ def emulated(plan, x, w, dy):
 @pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_hp_wgrad", "mxfp8"])
 def test_torchao_module_matches_our_emulation(recipe, dtype):
     # fp32: the same casts and fp32 GEMMs (tensorwise: fp32 scale division vs multiplication, last bits).
-    # bf16: our GEMMs of power-of-two-scaled casts run in bf16 (nn.functional.gemm_dtype), torchao's
+    # bf16: our GEMMs of power-of-two-scaled casts run in bf16 (nn.gemm.gemm_dtype), torchao's
     # emulation in fp32: the same exact products, accumulated in another order, so rare last-bit flips.
     exact = recipe != "fp8_tensorwise" and dtype == torch.float32
     for seed in range(2):
