@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import DEBUG_TOML, train, write_toml
+from low_bits_training.config.flags import tyro_message
 from low_bits_training.errors import ConfigError
 from low_bits_training.titan.launch import launcher
-from low_bits_training.titan.launch.configure import load_config, read_toml, tyro_message
+from low_bits_training.titan.launch.configure import load_config, read_toml
 
 
 def test_torchrun_options_and_training_arguments():
