@@ -20,6 +20,7 @@ from low_bits_training.cli import runner
 from low_bits_training.cli.grid import NPROC, Grid, load_grid
 from low_bits_training.cli.progress import SweepProgress
 from low_bits_training.cli.summary import Row, markdown, plot_losses, run_stats, table_rows, write_csv
+from low_bits_training.errors import ConfigError
 from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.platform import noise
 
@@ -109,7 +110,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     noise.install()  # upstream lines no user can act on (titan/platform/noise.py)
-    from low_bits_training.errors import ConfigError
 
     ns, extra = parse_args(sys.argv[1:] if argv is None else argv)
     try:

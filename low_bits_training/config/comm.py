@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from low_bits_training.config.section import checked_spec
 from low_bits_training.errors import ConfigError
-from low_bits_training.formats import HIGH, QuantSpec
+from low_bits_training.formats import HIGH, QuantSpec, get_format
 
 SCALINGS = {"all_gather": ("tensor", "axis", "block", "tile"), "reduce_scatter": ("tensor", "block")}
 """Scalings each collective allows. All-gather: of the weight viewed as (rows, last dim), sharded by rows
@@ -118,7 +118,6 @@ def wire_bytes(numel: int, rows: int, spec: QuantSpec | None, hp_bytes: int) -> 
     ``numel / block`` for block, ``numel / block^2`` for tile). High precision (``spec`` None):
     ``numel * hp_bytes``.
     """
-    from low_bits_training.formats import get_format
 
     if spec is None:
         return numel * hp_bytes

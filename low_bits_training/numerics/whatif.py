@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from low_bits_training.formats import QuantSpec, fake_quantize, grouped_shape
+from low_bits_training.numerics.records import headline_metrics
 
 from .records import plain, rows
 from .stats import FIELDS, SIZE, Reduce, combine, identity, operand_stats, reduce_ops, summarize
@@ -151,7 +152,6 @@ def whatif_headlines(table: list[dict[str, Any]], per_layer: bool) -> dict[str, 
     """Metrics-logger scalars of what-if rows: per alternative and role the worst layer,
     ``numerics/whatif/<name>/<role>/underflow_max``, ``.../saturation_max``, ``.../clipping_max``,
     ``.../sqnr_db_min``."""
-    from .records import headline_metrics
 
     return headline_metrics([{**r, "role": f"whatif/{r['whatif']}/{r['role']}"} for r in table], per_layer)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import write_toml
-from low_bits_training.cli import checks, config_checks, doctor
+from low_bits_training.cli import checks, config_checks, doctor, resource_checks
 from low_bits_training.cli.checks import Check
 from low_bits_training.config import job
 from low_bits_training.run.exits import ExitCode
@@ -108,11 +108,11 @@ def test_wandb_key_is_ok_and_never_shown(monkeypatch, clean_env):
 
 def test_dataset_hub_needs_network_local_must_exist(tmp_path):
     cfg = lambda name, path: SimpleNamespace(dataloader=SimpleNamespace(dataset=name, dataset_path=path))  # noqa: E731
-    assert config_checks.check_dataset(cfg("c4", None), {}).status == "WARN"
-    offline = config_checks.check_dataset(cfg("c4", None), {"HF_HUB_OFFLINE": "1"})
+    assert resource_checks.check_dataset(cfg("c4", None), {}).status == "WARN"
+    offline = resource_checks.check_dataset(cfg("c4", None), {"HF_HUB_OFFLINE": "1"})
     assert offline.status == "FAIL" and "HF_HUB_OFFLINE" in offline.detail
-    assert config_checks.check_dataset(cfg("local", str(tmp_path / "none")), {}).status == "FAIL"
-    assert config_checks.check_dataset(cfg("local", str(tmp_path)), {}).status == "OK"
+    assert resource_checks.check_dataset(cfg("local", str(tmp_path / "none")), {}).status == "FAIL"
+    assert resource_checks.check_dataset(cfg("local", str(tmp_path)), {}).status == "OK"
 
 
 def test_disk_estimate_and_threshold(tmp_path):
@@ -328,7 +328,8 @@ ATTENTION = [{"layers": ["layers.[12].attention.qk"], "format": "e4m3", "scaling
     ids=["torchao-fp8-mixed", "torchao-mxfp8-mixed", "torchtitan-converted-base", "with-attention"],
 )
 def test_doctor_and_plan_table_agree_with_the_built_model(clean_env, monkeypatch, quantize, base):
-    from low_bits_training.cli.config_checks import checked_config, layer_backends
+    from low_bits_training.cli.config_checks import checked_config
+    from low_bits_training.cli.plan_checks import layer_backends
     from low_bits_training.nn import GEMMS
     from low_bits_training.nn.hardware import detect_hardware
     from low_bits_training.plan.backends import gemm_backend

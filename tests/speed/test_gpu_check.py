@@ -179,7 +179,7 @@ def test_level_1_runs_on_the_cpu_build(tmp_path):
 
 
 def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
-    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.Hardware("cuda", (9, 0)))
+    monkeypatch.setattr(parity, "detect_hardware", lambda: hardware.Hardware("cuda", (9, 0)))
     ran = []
     monkeypatch.setattr(
         parity, "torchao_vs_emulation", lambda r, d: ran.append(r) or parity.row("ok", recipe=r)
@@ -188,7 +188,7 @@ def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
     assert rows["mxfp8"]["status"] == "skip"
     assert rows["mxfp8"]["detail"] == "skip: MXFP8Linear kernels need CUDA SM100+, this is CUDA SM90"
     assert ran == ["fp8_tensorwise", "fp8_rowwise"]  # Float8Linear's kernels run on SM90
-    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.Hardware("cuda", (10, 0)))
+    monkeypatch.setattr(parity, "detect_hardware", lambda: hardware.Hardware("cuda", (10, 0)))
     ran.clear()
     parity.torchao_rows(runner.Context("cuda", REPO, 0.0))
     assert ran == ["fp8_tensorwise", "fp8_rowwise", "mxfp8"]

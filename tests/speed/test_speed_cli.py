@@ -4,6 +4,7 @@ named GPU, and the targets it reads from the config tree (tokens, instances, exp
 import pytest
 
 from low_bits_training.cli import speed as cli
+from low_bits_training.cli import speed_targets
 from low_bits_training.speed import gpu, predict
 from low_bits_training.speed.workloads import LLAMA3_8B, decoder_targets, recipe_plans
 
@@ -41,12 +42,12 @@ def test_published_prints_the_comparison(capsys):
 
 @pytest.fixture(scope="module")
 def debug_moe():
-    return cli.load_config("train_configs/debug_moe.toml", [])[0]
+    return speed_targets.load_config("train_configs/debug_moe.toml", [])[0]
 
 
 def test_targets_of_a_moe_preset(debug_moe):
-    plans, shapes = cli.resolved(debug_moe, gpu("B200").hardware())
-    targets = {t.fqn: t for t in cli.run_targets(debug_moe, plans, shapes, 8)}
+    plans, shapes = speed_targets.resolved(debug_moe, gpu("B200").hardware())
+    targets = {t.fqn: t for t in speed_targets.run_targets(debug_moe, plans, shapes, 8)}
     w1 = targets["layers.0.moe.routed_experts.inner_experts.w1"]
     # 8 sequences of 256 tokens, each routed to 2 of 8 experts; the three grouped GEMMs carry all 8 weights
     assert (w1.kind, w1.tokens, w1.groups, w1.in_features, w1.out_features) == (
@@ -75,9 +76,9 @@ def test_debug_model_report_on_two_gpus(capsys, tmp_path):
 def test_the_8b_preset_resolves_to_the_published_setups_targets():
     """lbt-speed on llama3_8b_mxfp8.toml (the tokenizer is not here: shapes read without it) predicts what
     the published-figures setup of Llama 3 8B predicts: same linears, attention, recompute, plan."""
-    config, note = cli.load_config("train_configs/llama3_8b_mxfp8.toml", [])
+    config, note = speed_targets.load_config("train_configs/llama3_8b_mxfp8.toml", [])
     assert note.startswith("note: tokenizer absent here")
-    pred, _ = cli.predict_run(config, gpu("B200"), None, 8)
+    pred, _ = speed_targets.predict_run(config, gpu("B200"), None, 8)
     ours = decoder_targets(LLAMA3_8B, 1, 8192, recipe_plans("mxfp8"), recompute=0.5)
 
     def keys(targets):

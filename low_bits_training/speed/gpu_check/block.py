@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from low_bits_training.nn import LinearPlan, QuantLinear
+from low_bits_training.nn.hardware import detect_hardware
+from low_bits_training.nn.torchao_modules import torchao_linear
+from low_bits_training.plan.backends import layer_backends
 
 from .catalog import RECIPES
 from .compiling import compile_variants
@@ -70,7 +73,6 @@ class Block(nn.Module):
 
 def make_block(recipe: str, s: BlockShape, device: str, hw) -> tuple[Block, str]:
     """The block of ``recipe`` (bf16 parameters) and the backends its linears got (``layer_backends``)."""
-    from low_bits_training.plan.backends import layer_backends
 
     plan, used = LinearPlan.from_recipe(recipe), set()
 
@@ -79,8 +81,6 @@ def make_block(recipe: str, s: BlockShape, device: str, hw) -> tuple[Block, str]
         backend = "high" if plan.is_high_precision else layer_backends(plan, "auto", hw, k, n)[0]
         used.add(backend)
         if backend == "torchao":
-            from low_bits_training.nn.torchao_modules import torchao_linear
-
             return torchao_linear(lin, plan, emulated=False)
         return lin if backend == "high" else QuantLinear.from_linear(lin, plan)
 
@@ -119,7 +119,6 @@ def predicted(recipe: str, s: BlockShape, device_name: str | None, hw=None) -> t
     """The speed model's step speedup over bf16 of this block on this GPU: as hardware kernels would run it,
     and as this package runs it (``predict(as_run=True)``: each linear's backend from ``layer_backends`` on
     ``hw``, emulated GEMMs at the emulation's dtype). None: a GPU the model does not know."""
-    from low_bits_training.plan.backends import layer_backends
     from low_bits_training.speed import predict
     from low_bits_training.speed.gpus import gpu_for_device
     from low_bits_training.speed.workloads import decoder_targets, llama3
@@ -157,7 +156,6 @@ def warm(variants: dict, x, dy, ctx, mode: str) -> tuple[dict, dict[str, str]]:
 def measure(ctx, recipes=RECIPES, s: BlockShape = LLAMA3_8B_BLOCK, modes=("eager", "compiled"), repeats: int = 3,
             iters: int = 5) -> dict[str, dict]:  # fmt: skip
     """Per recipe: its backends, and per mode its median ms and ratio to bf16 (or why it has none)."""
-    from low_bits_training.nn.hardware import detect_hardware
 
     hw = detect_hardware()
     g = torch.Generator(device=ctx.device).manual_seed(0)
@@ -185,7 +183,6 @@ def measure(ctx, recipes=RECIPES, s: BlockShape = LLAMA3_8B_BLOCK, modes=("eager
 
 def block_rows(ctx) -> list[dict]:
     """One row per summary recipe: eager and compiled ratio to bf16 (a speedup: > 1 is faster), the model's."""
-    from low_bits_training.nn.hardware import detect_hardware
 
     name = torch.cuda.get_device_name(0) if ctx.device == "cuda" else None
     res, out, hw = measure(ctx), [], detect_hardware()

@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 
 from low_bits_training.nn import LinearPlan
+from low_bits_training.nn.hardware import detect_hardware
+from low_bits_training.nn.kernels import mm_fp32_accumulate, tensor_core_mm
+from low_bits_training.plan.backends import fallback_reason, layer_backends
+from low_bits_training.plan.resolve import LayerShape
 
 from .catalog import RECIPES
 from .parity import row
@@ -17,9 +21,6 @@ LINEAR = (4096, 14336)
 def backend_rows(ctx) -> list[dict]:
     """Per summary recipe: the backend of each GEMM of a linear layer and of an MoE expert weight on this
     hardware under ``backend = "auto"``, and why a layer does not get torchao's kernel."""
-    from low_bits_training.nn.hardware import detect_hardware
-    from low_bits_training.plan.backends import fallback_reason, layer_backends
-    from low_bits_training.plan.resolve import LayerShape
 
     hw, out = detect_hardware(), []
     for recipe in RECIPES:
@@ -39,7 +40,6 @@ def backend_rows(ctx) -> list[dict]:
 def accumulate_rows(ctx) -> list[dict]:
     """``nn.kernels.mm_fp32_accumulate`` (and, on CUDA, ``tensor_core_mm`` itself) against the float64
     product of bf16-valued operands: an error no larger than twice the fp32 GEMM's (both sum in fp32)."""
-    from low_bits_training.nn.kernels import mm_fp32_accumulate, tensor_core_mm
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(512, 2048, generator=g).bfloat16().float().to(ctx.device)

@@ -18,9 +18,14 @@ import dataclasses
 import torch
 
 from low_bits_training.formats import FORMATS, QuantSpec, fake_quantize
-from low_bits_training.nn import QuantLinear, rng
+from low_bits_training.nn import GEMM_OPERANDS, QuantLinear, rng
+from low_bits_training.nn.hardware import detect_hardware
+from low_bits_training.nn.kernels import unsupported_reason
 from low_bits_training.nn.recipes import RECIPES
 from low_bits_training.nn.roles import ROLES, LinearPlan
+from low_bits_training.nn.torchao_modules import torchao_linear
+from low_bits_training.nn.torchao_recipes import torchao_recipe
+from low_bits_training.plan.backends import torchao_kernel_refusal
 
 CAST_ROUNDINGS = ("nearest", "stochastic")
 SCALE_ONLY = ("e8m0", "ue4m3")
@@ -181,8 +186,6 @@ def scaled_mm_exact(device: str, rowwise: bool, fast_accum: bool) -> dict:
 
 def no_scaled_mm(recipe: str) -> dict:
     """Why ``recipe``'s forward GEMM has no ``torch._scaled_mm`` to compare with (``nn.kernels``)."""
-    from low_bits_training.nn import GEMM_OPERANDS
-    from low_bits_training.nn.kernels import unsupported_reason
 
     plan, op = LinearPlan.from_recipe(recipe), GEMM_OPERANDS["forward"]
     why = unsupported_reason(plan.specs[op.a], plan.specs[op.b])
@@ -239,8 +242,6 @@ TORCHAO_TOLERANCE = {
 
 def torchao_vs_emulation(recipe: str, device: str, emulated: bool = False) -> dict:
     """torchao's module (its kernel; ``emulated``: its emulated mode) against our emulation, bf16 inputs."""
-    from low_bits_training.nn.torchao_modules import torchao_linear
-    from low_bits_training.nn.torchao_recipes import torchao_recipe
 
     plan = LinearPlan.from_recipe(recipe)
     lin, x, dy = operands(device, torch.bfloat16)
@@ -256,9 +257,6 @@ def torchao_vs_emulation(recipe: str, device: str, emulated: bool = False) -> di
 def torchao_rows(ctx) -> list[dict]:
     """Each summary recipe torchao computes: its kernel against our emulation where this GPU has the kernel,
     else a skip with ``plan.backends``' reason (MXFP8 needs SM100: no false failure on an H100)."""
-    from low_bits_training.nn.hardware import detect_hardware
-    from low_bits_training.nn.torchao_recipes import torchao_recipe
-    from low_bits_training.plan.backends import torchao_kernel_refusal
 
     from .catalog import RECIPES as SUMMARY
 

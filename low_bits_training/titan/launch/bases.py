@@ -3,19 +3,19 @@ registry of them (``__all__``; ``tests/titan/launch/test_base_registry.py`` hold
 to it).
 
 torchtitan 0.3.0 ships config functions for the Llama 3 debug model, 8B, 70B and 405B; the 1B (Llama 3.2)
-flavor exists in its model registry but has no config function, so it is here. The Qwen3-MoE debug model
-(``qwen3_moe_tiny``) is built next to the MoE code that knows its experts (``titan/targets/experts.py``) and
-registered here by import.
+flavor exists in its model registry but has no config function, so it is here. ``qwen3_moe_tiny`` is
+torchtitan's Qwen3-MoE debug recipe cut to a size that trains on a CPU.
 """
 
 from __future__ import annotations
 
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.config_registry import llama3_8b
 from torchtitan.trainer import Trainer
 
-from low_bits_training.titan.targets.experts import qwen3_moe_tiny
+from low_bits_training.titan.platform.compat import qwen3_builders
 
 __all__ = ["llama3_1b", "llama3_narrow", "llama3_tiny", "qwen3_moe_tiny"]
 """Every base of ours, by the name ``[job] base`` gives after ``low_bits_training.titan.launch.bases:``."""
@@ -70,4 +70,47 @@ def llama3_narrow() -> Trainer.Config:
         lm_head=dataclasses.replace(model.lm_head, in_features=dim, param_init=output_init(dim)),
         layers=layers,
     )
+    return config
+
+
+def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):
+    # torchtitan's own builders (models/qwen3/__init__.py) at a size that trains on a laptop CPU.
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    head_dim = 32
+    embedding_init, linear_init, build_moe_layers, norm = qwen3_builders()
+    return Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=embedding_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=linear_init),
+        layers=build_moe_layers(
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=dim // head_dim,
+            n_kv_heads=dim // head_dim // 2,
+            head_dim=head_dim,
+            moe_hidden_dim=hidden,
+            num_experts=experts,
+            top_k=top_k,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+        ),
+    )
+
+
+def qwen3_moe_tiny() -> Trainer.Config:
+    """torchtitan's Qwen3-MoE debug recipe on a 4-layer model: dim 128, 8 experts (top 2) of hidden 128.
+
+    torchtitan's ``debugmodel_moe`` (8 layers, 64 experts, top 8, hidden 768) takes seconds per step on a
+    CPU; this one keeps every part of the MoE (router, load-balancing bias, grouped experts, dispatcher).
+    """
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = qwen3_moe_debug()
+    config.model_spec.model = _tiny_moe_model(4, 128, 8, 2, 128, 2048)
+    config.model_spec.flavor = "tiny_moe"
+    config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
     return config

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+from low_bits_training.errors import ConfigError
 from low_bits_training.run.exits import SIGNAL_BASE, ExitCode, classify
 from low_bits_training.titan.launch.failures import HoldBack, chosen_failure, crash_report, crashed, shown
 from low_bits_training.titan.launch.worker import UNDER_LAUNCHER
@@ -134,7 +135,6 @@ def check_accelerator(config, processes: int) -> None:
     """
     import torch
 
-    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.platform import cpu
 
     if not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
@@ -155,8 +155,6 @@ def check_gpu_count(args) -> None:
     """
     import torch
     from torch.distributed.run import determine_local_world_size
-
-    from low_bits_training.errors import ConfigError
 
     if not torch.cuda.is_available():
         return
@@ -270,7 +268,6 @@ def start_method(config) -> str:
     Raises:
         ConfigError: ``$LBT_START_METHOD`` is neither ``fork`` nor ``spawn``, or ``fork`` with an accelerator.
     """
-    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.platform import cpu
 
     on_cpu = cpu.needs_cpu_adapters()

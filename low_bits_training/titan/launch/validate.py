@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from low_bits_training.config.comm import check_shard_degree
 from low_bits_training.errors import ConfigError
 
 # (key, smallest allowed value, note); the key is the TOML / flag path.
@@ -157,7 +158,6 @@ def check_comm(config: Any, layout: Layout) -> None:
     Raises:
         ConfigError: low-bit collectives without FSDP2 sharding (``config.comm.check_shard_degree``).
     """
-    from low_bits_training.config.comm import check_shard_degree
 
     quantize = getattr(config, "quantize", None)
     if quantize is not None:
@@ -236,9 +236,9 @@ def model_as_trained(config: Any) -> Any:
 
 
 def trained_fingerprint(config: Any, model: Any) -> dict[str, Any] | None:
-    """The fingerprint the trainer will give its checkpoints (``checkpoint.fingerprint`` of the config with
+    """The fingerprint the trainer will give its checkpoints (``manifest.fingerprint`` of the config with
     the model config as trained)."""
-    from low_bits_training.titan.runtime.checkpoint import fingerprint
+    from low_bits_training.titan.runtime.manifest import fingerprint
 
     if model is None:
         return None

@@ -19,6 +19,7 @@ import sys
 import time
 
 from low_bits_training.config.argv import take_flag
+from low_bits_training.errors import ConfigError
 from low_bits_training.run.exits import ExitCode, classify
 from low_bits_training.titan.platform import cpu, noise
 
@@ -48,7 +49,6 @@ def load_on_platform(config_file: str | None, rest: list[str], on_cpu: bool):
     Raises:
         ConfigError: one line.
     """
-    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch.configure import load_config
     from low_bits_training.titan.runtime.graphs import graphs_off_before_check
 
@@ -76,7 +76,6 @@ def build_config(argv: list[str]):
     Raises:
         ConfigError: one line, before any model is built.
     """
-    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.launch import datasets
     from low_bits_training.titan.runtime.graphs import apply_graph_policy
     from low_bits_training.titan.runtime.optim import adapt_optimizer_config
@@ -187,7 +186,6 @@ def refuse_this_machine() -> None:
     Raises:
         ConfigError: the refusal, one line.
     """
-    from low_bits_training.errors import ConfigError
     from low_bits_training.titan.platform.devices import this_machine_refusal
 
     why = this_machine_refusal()

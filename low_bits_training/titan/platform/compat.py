@@ -127,7 +127,7 @@ UPSTREAM: dict[str, Upstream] = {
         "torchtitan.models.common.token_dispatcher:TorchAOTokenDispatcher._permute",
         733,
         "b2e1d382df3284d5",
-        "the padding dispatcher's permute, which titan/targets/experts.py's PaddedTokenDispatcher overrides (triton-free)",
+        "the padding dispatcher's permute, which titan/targets/expert_modules.py's PaddedTokenDispatcher overrides (triton-free)",
     ),
     "qwen3_builders": Upstream(
         "torchtitan.models.qwen3:_build_qwen3_moe_layers",

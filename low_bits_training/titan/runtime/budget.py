@@ -5,7 +5,7 @@
 memory. ``measured`` sums ``optim.live_bytes.live_bytes`` over every rank after an optimizer step. The trainer's
 first step in each process (``report``) logs both as a table, writes them to ``<dump_folder>/state_bytes.json``
 (``run.folder.STATE_BYTES_JSON``) and into the metrics (``memory/state_bytes_per_param/<state>``, measured,
-and ``.../plan_total``); lbt-doctor shows the computed table (``cli/config_checks.check_state_bytes``).
+and ``.../plan_total``); lbt-doctor shows the computed table (``cli/resource_checks.check_state_bytes``).
 
 Layout modelled: FSDP2 / HSDP (rows sharded over data_parallel_shard x context_parallel ranks, padded;
 replicated data_parallel_replicate times). TP / PP / EP placements are not: their ranks hold the same total

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from low_bits_training.config.comm import wire_spec
+
 GRAPHS_OFF = "CUDA graphs off"
 """How the one log line starts."""
 PIPELINE = "pipeline parallelism (torchtitan captures no PP schedule)"
@@ -44,7 +46,6 @@ def graph_blockers(config: Any) -> list[str]:
     Args:
         config: the resolved ``LowBitsTrainer.Config`` (after ``targets.apply_run``).
     """
-    from low_bits_training.config.comm import wire_spec
 
     num, quant = config.numerics, config.quantize
     checks = (
@@ -67,7 +68,7 @@ def graph_blockers(config: Any) -> list[str]:
 
 
 def _emulated_experts(config: Any) -> bool:
-    from low_bits_training.titan.targets.experts import TitanQuantGroupedExperts
+    from low_bits_training.titan.targets.expert_modules import TitanQuantGroupedExperts
 
     model = config.model_spec.model
     return any(True for _ in model.traverse(TitanQuantGroupedExperts.Config))

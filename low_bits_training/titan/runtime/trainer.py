@@ -18,14 +18,14 @@ from low_bits_training.run.secrets import redact
 from low_bits_training.titan.platform.ranks import rank
 from low_bits_training.titan.runtime import budget
 from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable, restore
-from low_bits_training.titan.runtime.checkpoint import fingerprint
+from low_bits_training.titan.runtime.manifest import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
+from low_bits_training.titan.targets.collectives import log_comm_bytes
 from low_bits_training.titan.targets.delayed import install as install_amax_group
 from low_bits_training.titan.targets.experts import zero_expert_counts
 from low_bits_training.titan.targets.registry import live, run_of
 from low_bits_training.titan.targets.saved import allocator_meter, log_saved_bytes
 from low_bits_training.titan.targets.schedule import install as install_schedule
-from low_bits_training.titan.targets.wire import log_comm_bytes
 
 
 def step_seed(base: int, step: int) -> int:
@@ -127,7 +127,7 @@ class LowBitsTrainer(Trainer):
                 batches.rewind()
                 nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
                 zero_expert_counts(self.model_parts)  # nor what it routed (MoE load balancing)
-        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/targets/wire.py)
+        log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/targets/collectives.py)
         # [[quantize.saved]] bytes kept for the backward (titan/targets/saved.py), by the allocator on one step
         per_token = log_saved_bytes(self)
         if per_token is None or "allocator" in per_token:

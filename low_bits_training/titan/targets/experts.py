@@ -1,4 +1,5 @@
-"""Mixture-of-experts inside the precision plan: the grouped-experts converter and a CPU-sized Qwen3-MoE base.
+"""Mixture-of-experts inside the precision plan: the grouped-experts converter (the modules it builds:
+``titan.targets.expert_modules``; the CPU-sized Qwen3-MoE base: ``titan.launch.bases.qwen3_moe_tiny``).
 
 torchtitan 0.3's MoE layers keep their routed experts in one ``GroupedExperts`` module
 (``layers.N.moe.routed_experts.inner_experts``) with three stacked weights ``w1_EFD``, ``w2_EDF``,
@@ -29,123 +30,20 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE
-from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
-from torchtitan.trainer import Trainer
 
 from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
-from low_bits_training.nn.grouped import GroupedQuantState, grouped_linear, pad_multiple
+from low_bits_training.nn.grouped import pad_multiple
 from low_bits_training.nn.torchao_recipes import TorchaoGroupedRecipe, torchao_grouped_recipe
 from low_bits_training.plan.resolve import LayerShape
-from low_bits_training.titan.platform.compat import config_owner, grouped_experts_class, qwen3_builders
-from low_bits_training.titan.targets.kind import TargetKind, TitanQuantState
-
-WEIGHTS = ("w1", "w2", "w3")
-"""The plan's names of the three stacked expert weights (``<experts fqn>.w1`` ...)."""
-_PARAMS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
-
-
-def pad_token_groups(
-    x: torch.Tensor, counts: torch.Tensor, ranks: int, experts: int, multiple: int
-) -> tuple[torch.Size, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reorder rank-major token segments to expert-major and zero-pad each expert's group to ``multiple``.
-
-    torchao's ``permute_and_pad`` (what torchtitan's ``TorchAOTokenDispatcher`` calls) in plain torch ops
-    with static shapes (its index kernel is triton-only): the output has ``round_up(R + experts *
-    multiple, multiple)`` rows whatever the routing, so torch.compile sees one shape. An expert with no
-    tokens still gets ``multiple`` zero rows (as in torchao).
-
-    Args:
-        x: (R, D) tokens, segment (rank r, expert j) at the rank-major position of ``counts``.
-        counts: (ranks * experts,) tokens per (rank, local expert), rank-major.
-        ranks: expert-parallel ranks the segments came from (1 without EP).
-        experts: local experts.
-        multiple: row multiple of every expert group.
-
-    Returns:
-        ``(shape, padded, indices, sizes)``: the shape of x with one zero row appended, the (L, D) padded
-        tokens, the (L,) row of that extended x each output row came from (R: the zero row), and the
-        (experts,) int32 padded group sizes.
-    """
-    n = x.shape[0]
-    length = -(-(n + experts * multiple) // multiple) * multiple
-    c = counts.view(ranks, experts).to(torch.int64)
-    start = (counts.cumsum(0) - counts).view(ranks, experts)  # input row of segment (r, j)
-    total = c.sum(0)
-    sizes = -(-total.clamp_min(multiple) // multiple) * multiple
-    ends = sizes.cumsum(0)
-    p = torch.arange(length, device=x.device)
-    j = torch.searchsorted(ends, p, right=True).clamp_max(experts - 1)
-    q = p - (ends - sizes)[j]  # position inside expert j's group
-    cum = c.cumsum(0).t()  # (experts, ranks): tokens of expert j from ranks 0..r
-    r = (cum[j] <= q[:, None]).sum(1).clamp_max(ranks - 1)
-    src = start[r, j] + q - (cum[j, r] - c.t()[j, r])
-    real = (p < ends[-1]) & (q < total[j])
-    idx = torch.where(real, src, n)
-    xe = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return xe.shape, xe[idx], idx, sizes.to(torch.int32)
-
-
-class PaddedTokenDispatcher(TorchAOTokenDispatcher):
-    """torchtitan's padding dispatcher (``TorchAOTokenDispatcher``) with ``pad_token_groups`` as its permute:
-    no triton, static shapes, EP all-to-all inherited."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(TorchAOTokenDispatcher.Config):
-        pass
-
-    def _permute(
-        self, routed_input_RD, num_global_tokens_per_local_expert_E
-    ):  # compat.UPSTREAM token_permute
-        ranks = self.ep_mesh.size() if self.ep_mesh is not None else 1
-        experts = num_global_tokens_per_local_expert_E.shape[0] // ranks
-        shape, x, idx, sizes = pad_token_groups(
-            routed_input_RD, num_global_tokens_per_local_expert_E, ranks, experts, self.pad_multiple
-        )
-        return shape, x, idx, sizes
-
-
-class TitanExpertWeightState(GroupedQuantState, TitanQuantState):
-    """``GroupedQuantState`` under torchtitan's Module protocol (``titan.targets.kind.TitanQuantState``)."""
-
-
-class TitanQuantGroupedExperts(GroupedExperts):
-    """``GroupedExperts`` whose three grouped matmuls follow the plan (``nn.grouped.grouped_linear``).
-
-    Parameters and state_dict keys are ``GroupedExperts``'s; the plan and the key / probe buffers of each
-    weight live in a parameter-free child named like the plan entry (``w1``, ``w2``, ``w3``).
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
-        plans: dict[str, LinearPlan] = field(default_factory=dict)
-        """Plan of each stacked weight: ``{"w1": ..., "w2": ..., "w3": ...}``."""
-        fqn: str = ""
-        """The experts module's FQN (keys each weight's stochastic-rounding stream)."""
-        pad: int = 1
-        """The row multiple the dispatcher pads each expert's tokens to (for the plans of every phase)."""
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        for name in WEIGHTS:
-            plan = config.plans.get(name, LinearPlan())
-            self.add_module(name, TitanExpertWeightState(plan, f"{config.fqn}.{name}", pad=config.pad))
-
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-
-        def mm(x: torch.Tensor, name: str) -> torch.Tensor:
-            w = getattr(self, _PARAMS[name])
-            w = w.to_local() if isinstance(w, DTensor) else w  # as GroupedExperts.forward does
-            st = getattr(self, name)
-            return grouped_linear(x, w, offs, st.plan, st.state)
-
-        h = F.silu(mm(x_RD, "w1")) * mm(x_RD, "w3")
-        return mm(h, "w2").type_as(x_RD)
+from low_bits_training.titan.platform.compat import config_owner, grouped_experts_class
+from low_bits_training.titan.targets.expert_modules import (
+    WEIGHTS,
+    PaddedTokenDispatcher,
+    TitanQuantGroupedExperts,
+)
+from low_bits_training.titan.targets.kind import TargetKind
 
 
 def expert_layers(model_config, tp: int = 1) -> dict[str, LayerShape]:
@@ -337,47 +235,3 @@ KIND = TargetKind(
     current=expert_plans,
 )
 """MoE expert weights as a kind of plan target (``titan.targets.registry``)."""
-
-
-def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):
-    # torchtitan's own builders (models/qwen3/__init__.py) at a size that trains on a laptop CPU.
-    from torchtitan.models.qwen3.model import Qwen3Model
-
-    head_dim = 32
-    embedding_init, linear_init, build_moe_layers, norm = qwen3_builders()
-    return Qwen3Model.Config(
-        vocab_size=vocab,
-        dim=dim,
-        norm=norm(dim),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=embedding_init),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=linear_init),
-        layers=build_moe_layers(
-            n_layers=n_layers,
-            dim=dim,
-            n_heads=dim // head_dim,
-            n_kv_heads=dim // head_dim // 2,
-            head_dim=head_dim,
-            moe_hidden_dim=hidden,
-            num_experts=experts,
-            top_k=top_k,
-            attn_backend="flex",
-            moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
-        ),
-    )
-
-
-def qwen3_moe_tiny() -> Trainer.Config:
-    """torchtitan's Qwen3-MoE debug recipe on a 4-layer model: dim 128, 8 experts (top 2) of hidden 128.
-
-    torchtitan's ``debugmodel_moe`` (8 layers, 64 experts, top 8, hidden 768) takes seconds per step on a
-    CPU; this one keeps every part of the MoE (router, load-balancing bias, grouped experts, dispatcher).
-    """
-    from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
-
-    config = qwen3_moe_debug()
-    config.model_spec.model = _tiny_moe_model(4, 128, 8, 2, 128, 2048)
-    config.model_spec.flavor = "tiny_moe"
-    config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
-    return config

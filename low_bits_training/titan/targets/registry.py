@@ -27,6 +27,7 @@ from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.plan.schedule import Schedule, check_switchable, resolve_schedule
 from low_bits_training.plan.table import fallbacks, format_fallbacks, format_plan, plan_to_json
 from low_bits_training.plan.whatif import resolve_whatif
+from low_bits_training.run.folder import GEMM_SIZES_JSON, PLAN_JSON, PLAN_TEXT, SCHEDULE_JSON, write_atomic
 from low_bits_training.titan.targets import attention, experts, linear, saved, wire
 from low_bits_training.titan.targets.kind import TargetKind
 
@@ -198,14 +199,6 @@ def save_plan(config, folder: str | os.PathLike) -> Path:
         The path of the text table.
     """
     from torchtitan.tools.logging import logger
-
-    from low_bits_training.run.folder import (
-        GEMM_SIZES_JSON,
-        PLAN_JSON,
-        PLAN_TEXT,
-        SCHEDULE_JSON,
-        write_atomic,
-    )
 
     run = run_of(config)
     plans, labels = current_plans(config)

@@ -28,7 +28,7 @@ from torchtitan.tools.logging import logger
 
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn import ROLE_NAMES, LinearPlan, ProbeMode, probe
-from low_bits_training.nn.state import QuantState
+from low_bits_training.nn.state import QuantState, live_targets
 from low_bits_training.plan.schedule import PhasePlan, Schedule
 from low_bits_training.titan.platform import compat
 
@@ -179,7 +179,6 @@ def install(trainer, run) -> PrecisionSchedule:
     Returns:
         The ``PrecisionSchedule`` whose ``begin_step`` the trainer calls before every step.
     """
-    from low_bits_training.nn.state import live_targets
 
     config = trainer.config
     mine = [(f, m) for f, m in live_targets(trainer.model_parts) if run.switchable(f)]

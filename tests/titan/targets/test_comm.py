@@ -1,4 +1,4 @@
-"""``[quantize.comm]`` (config/comm.py, titan/targets/wire.py) against high-precision references.
+"""``[quantize.comm]`` (config/comm.py, titan/targets/wire.py, collectives.py) against high-precision references.
 
 - the bytes of a payload (``wire_bytes``) for known shapes, by hand;
 - bad sections refused in one line;
@@ -156,16 +156,16 @@ def _sharded_grads(cfg: CommConfig, rank: int, draws: int = 1) -> list[dict[str,
 
 def _counted(cfg: CommConfig) -> dict[str, list[int]]:
     """The byte counters after exactly one all-gather of layer 0 and one reduce-scatter of both layers."""
-    from low_bits_training.titan.targets import wire
+    from low_bits_training.titan.targets import collectives
 
     model = _shard(_model(), cfg)
-    for v in wire.BYTES.values():
+    for v in collectives.BYTES.values():
         v[0] = v[1] = 0
     model[0].unshard()
-    out = {"all_gather": list(wire.BYTES["all_gather"])}
+    out = {"all_gather": list(collectives.BYTES["all_gather"])}
     model[0].reshard()
     model(_data(0)).sum().backward()
-    out["reduce_scatter"] = list(wire.BYTES["reduce_scatter"])
+    out["reduce_scatter"] = list(collectives.BYTES["reduce_scatter"])
     return out
 
 
@@ -192,7 +192,7 @@ def _partial(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from low_bits_training.titan.platform.cpu import force_sum_reductions
-    from low_bits_training.titan.targets import wire
+    from low_bits_training.titan.targets import collectives, wire
 
     local = _TwoInOneUnit()
     local(_data(rank)).square().sum().backward()
@@ -201,14 +201,14 @@ def _partial(rank: int) -> dict:
     model.set_gradient_divide_factor(1.0)
     force_sum_reductions(model)
     wire.install(model, CommConfig(reduce_scatter=PARTIAL_WIRE))
-    for v in wire.BYTES.values():
+    for v in collectives.BYTES.values():
         v[0] = v[1] = 0
     model(_data(rank)).square().sum().backward()
     assert model.a.weight.grad is None
     return {
         "grad": model.b.weight.grad.to_local().clone(),
         "local": local.b.weight.grad,
-        "bytes": {k: list(v) for k, v in wire.BYTES.items()},
+        "bytes": {k: list(v) for k, v in collectives.BYTES.items()},
     }
 
 
@@ -344,7 +344,7 @@ def test_reduce_scatter_of_a_partial_unit_casts_and_counts_what_is_sent(two_rank
 
 
 def test_sent_params_finds_the_one_subset_and_refuses_a_guess():
-    from low_bits_training.titan.targets.wire import sent_params
+    from low_bits_training.titan.targets.collectives import sent_params
 
     params = [("a", 6), ("b", 4), ("c", 2)]
     assert sent_params(params, 12) == params

@@ -50,7 +50,8 @@ def test_two_fsdp_ranks_compiled(tmp_path):
 def _layers():
     from torchtitan.models.common.moe import GroupedExperts  # noqa: F401  (torchtitan after the CPU adapter)
 
-    from low_bits_training.titan.targets.experts import expert_layers, qwen3_moe_tiny
+    from low_bits_training.titan.launch.bases import qwen3_moe_tiny
+    from low_bits_training.titan.targets.experts import expert_layers
 
     return expert_layers(qwen3_moe_tiny().model_spec.model)
 
@@ -74,7 +75,7 @@ def test_block_that_does_not_divide_an_expert_weight_is_one_line():
 def test_padding_dispatcher_matches_torchao_indices():
     from torchao.prototype.moe_training.ep.kernels import generate_permute_indices
 
-    from low_bits_training.titan.targets.experts import pad_token_groups
+    from low_bits_training.titan.targets.expert_modules import pad_token_groups
 
     g = torch.Generator().manual_seed(0)
     for ranks, experts, multiple in ((1, 4, 32), (2, 3, 16), (3, 2, 8)):

@@ -71,7 +71,7 @@ def test_two_ranks_train_quantized(tmp_path, recipe, args):
 
 def test_fsdp_checkpoint_bf16_to_fp8_and_back(tmp_path):
     # Switching recipe is starting a new run from a checkpoint on purpose (initial_load_path): the run-shape
-    # fingerprint of titan/runtime/checkpoint.py refuses a plain resume into a different plan.
+    # fingerprint of titan/runtime/manifest.py refuses a plain resume into a different plan.
     fsdp = ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.interval", "3")
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     first = train(a, "--training.steps", "3", *fsdp, nproc=2, config=_config(tmp_path, "bf16"))

@@ -123,7 +123,8 @@ PHASE_AT_0 = {"phases": [{"start": 0, "recipe": "bf16"}], "recipe": "mxfp8"}
 
 @pytest.mark.parametrize("path", [*PRESETS, "phase-at-step-0"], ids=lambda p: getattr(p, "stem", p))
 def test_doctor_equals_launcher_and_resolves_once(tmp_path, monkeypatch, path):
-    from low_bits_training.cli.config_checks import checked_config, layer_backends
+    from low_bits_training.cli.config_checks import checked_config
+    from low_bits_training.cli.plan_checks import layer_backends
     from low_bits_training.nn import GEMMS
     from low_bits_training.nn.hardware import detect_hardware
     from low_bits_training.plan.backends import gemm_backend

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from helpers import DEBUG_TOML
-from low_bits_training.cli.config_checks import check_backends
+from low_bits_training.cli.plan_checks import check_backends
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.report.runs import LOSS, RunData, flop_shares
