@@ -4,7 +4,7 @@ This folder holds all of it: the decisions (``decisions``), the triggers and mov
 values and statistics; ``spikes``: loss / gradient-norm spikes, rolled back to host snapshots from
 ``snapshot``), and the step run again (``replay``).
 
-Two ways in (``config/autopilot.py`` has the section and the ladder):
+Two ways in (``config/autopilot.py`` has the section, ``plan/ladder.py`` the ladder):
 
 - ``on_nonfinite``: the numerics monitor named the first NaN / Inf of a microbatch (the same on every
   rank). When it is a GEMM's product of a quantized linear layer, expert weight or attention product, the
