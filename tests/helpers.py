@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +77,8 @@ def leave_worker() -> None:
 
 
 CORPUS = Path(tempfile.mkdtemp(prefix="lbt-test-corpus-")) / "lbt_markov"
+_OWNER = os.getpid()
+atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(CORPUS.parent, True))  # not in a forked child
 """The built-in corpus of this test process's training runs (built by the first, read by the rest): never the
 checkout's ``assets/`` (tests/conftest.py, ``leaves_the_checkout_alone``)."""
 
