@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import CORPUS
 from low_bits_training.cli import grid as grid_mod
 from low_bits_training.cli import scaling, sweep
 from low_bits_training.cli.grid import Grid, load_grid, override
@@ -30,6 +31,8 @@ SMALL = [
     "--checkpoint.no-enable",
     "--training.steps",
     "3",
+    "--dataloader.dataset_path",
+    str(CORPUS),
 ]
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, train, write_toml
+from helpers import CORPUS, REPO, train, write_toml
 
 
 def _config(tmp_path, recipe, **extra):
@@ -23,6 +23,8 @@ def test_bad_plan_is_a_config_error_before_the_model(tmp_path):
             str(cfg),
             "--dump_folder",
             str(tmp_path / "run"),
+            "--dataloader.dataset_path",
+            str(CORPUS),
         ],
         cwd=REPO,
         capture_output=True,
