@@ -71,6 +71,28 @@ def checkout_state() -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(autouse=True)
+def corpus_outside_the_checkout(monkeypatch):
+    """In this process, a preset's built-in corpus (``dataset_path = "./assets/lbt_markov"``, relative to the
+    checkout where pytest runs) is built and read in the test corpus (``helpers.CORPUS``) instead: the
+    launcher's own check (``worker.build_config`` -> ``datasets.prepare_assets``), which doctor, lbt-speed
+    and the in-process launcher tests run, never writes the checkout's ``assets/``. Training runs in
+    subprocesses get ``--dataloader.dataset_path`` from ``helpers.SMALL``."""
+    from helpers import CORPUS
+    from low_bits_training.titan.launch import datasets
+
+    real, assets = datasets.prepare_assets, CHECKOUT_OWNED[1].resolve()
+
+    def prepare(config) -> None:
+        for _, dl in datasets.dataset_configs(config):
+            path = dl.dataset_path or datasets.MARKOV_DEFAULT_PATH
+            if dl.dataset.startswith("lbt_markov") and Path(path).resolve().is_relative_to(assets):
+                dl.dataset_path = str(CORPUS)
+        real(config)
+
+    monkeypatch.setattr(datasets, "prepare_assets", prepare)
+
+
+@pytest.fixture(autouse=True)
 def leaves_the_checkout_alone():
     """Fail a test after which the checkout's ``outputs/`` or ``assets/`` differ from before it."""
     before = checkout_state()

@@ -3,6 +3,7 @@ named GPU, and the targets it reads from the config tree (tokens, instances, exp
 
 import pytest
 
+from helpers import CORPUS
 from low_bits_training.cli import speed as cli
 from low_bits_training.cli import speed_targets
 from low_bits_training.speed import gpu, predict
@@ -42,7 +43,10 @@ def test_published_prints_the_comparison(capsys):
 
 @pytest.fixture(scope="module")
 def debug_moe():
-    return speed_targets.load_config("train_configs/debug_moe.toml", [])[0]
+    # module-scoped: conftest's corpus redirection is per test, so the corpus is named here
+    return speed_targets.load_config(
+        "train_configs/debug_moe.toml", ["--dataloader.dataset_path", str(CORPUS)]
+    )[0]
 
 
 def test_targets_of_a_moe_preset(debug_moe):

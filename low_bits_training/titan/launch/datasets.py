@@ -87,8 +87,8 @@ def register() -> None:
         DATASETS[name] = DatasetConfig(path=path, loader=loader, sample_processor=text)
 
 
-def _dataset_configs(config) -> list[tuple[str, object]]:
-    # (TOML key, dataloader config) of every dataloader that reads a named text dataset
+def dataset_configs(config) -> list[tuple[str, object]]:
+    """``(TOML key, dataloader config)`` of every dataloader that reads a named text dataset."""
     out = [("dataloader", config.dataloader)]
     if getattr(config.validator, "enable", False) and hasattr(config.validator, "dataloader"):
         out.append(("validator.dataloader", config.validator.dataloader))
@@ -104,7 +104,7 @@ def check_names(config) -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     register()
-    for key, dl in _dataset_configs(config):
+    for key, dl in dataset_configs(config):
         if dl.dataset not in DATASETS:
             raise ConfigError(
                 f"{key}.dataset = {dl.dataset!r}: expected one of {', '.join(sorted(DATASETS))}"
@@ -122,7 +122,7 @@ def prepare_assets(config) -> None:
             tokenizer folder that does not exist.
     """
     check_names(config)
-    for _, dl in _dataset_configs(config):
+    for _, dl in dataset_configs(config):
         if dl.dataset.startswith("lbt_markov"):
             dl.dataset_path = dl.dataset_path or MARKOV_DEFAULT_PATH
             build_corpus(dl.dataset_path)
