@@ -216,6 +216,8 @@ def test_sweep_submits_each_point_through_submit_sh(tmp_path, monkeypatch, capsy
             "--",
             "--training.steps",
             "7",
+            "--dataloader.dataset_path",  # submit.sh's check builds the corpus: not in the checkout
+            str(CORPUS),
         ]
     )
     assert code == 0 and "--collect" in capsys.readouterr().out
@@ -224,5 +226,7 @@ def test_sweep_submits_each_point_through_submit_sh(tmp_path, monkeypatch, capsy
         ["seed-0", str(tmp_path / "o" / "s" / "seed-0")],
         ["seed-1", str(tmp_path / "o" / "s" / "seed-1")],
     ]
-    assert calls[1][2].endswith("scripts/slurm/train.sbatch --training.steps 7 --debug.seed 1")
+    assert calls[1][2].endswith(
+        f"scripts/slurm/train.sbatch --training.steps 7 --dataloader.dataset_path {CORPUS} --debug.seed 1"
+    )
     assert "--gpus-per-node=1" in calls[0][2]
