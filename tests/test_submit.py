@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import CORPUS
+
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "wandb-secret-value-1234567890"
 
@@ -73,8 +75,12 @@ def slurm(tmp_path):
             LBT_SECRETS_DIR=str(tmp_path / "secrets"),
             **env,
         )
+        corpus = (
+            "--dataloader.dataset_path",
+            str(CORPUS),
+        )  # submit.sh's check builds it: not in the checkout
         p = subprocess.run(
-            [str(REPO / "submit.sh"), *args],
+            [str(REPO / "submit.sh"), *args, *corpus],
             cwd=tmp_path,
             env=full,
             capture_output=True,
@@ -106,6 +112,8 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
         "scripts/slurm/train.sbatch",
         "--training.steps",
         "10",
+        "--dataloader.dataset_path",
+        str(CORPUS),
     ]
     assert sr["args"] == [
         "--nodes=2",
@@ -133,6 +141,8 @@ def test_exact_sbatch_and_srun_commands(slurm, tmp_path):
         "--checkpoint.enable",
         "--training.steps",
         "10",
+        "--dataloader.dataset_path",
+        str(CORPUS),
     ]
     assert (tmp_path / "calls.jsonl.scontrol").read_text().split() == ["node[01-02]"]
     for c in calls:  # what both sides see
