@@ -70,18 +70,27 @@ def _name(package: Path, path: Path) -> str:
 
 
 def _imports_of(module: str, path: Path, modules: dict) -> set[str]:
+    nodes = ast.walk(ast.parse(path.read_text(), str(path)))
+    return set().union(
+        *(
+            _imports_of_node(module, path, n, modules)
+            for n in nodes
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+        )
+    )
+
+
+def _imports_of_node(module: str, path: Path, node, modules: dict) -> set[str]:
     here = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = here.split(".")[: len(here.split(".")) - node.level + 1]
-                base = ".".join([*parent, *([node.module] if node.module else [])])
-            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
-    return {m for m in out if m in modules and m != module}
+    if isinstance(node, ast.Import):
+        names = {a.name for a in node.names}
+    else:
+        base = node.module or ""
+        if node.level:
+            parent = here.split(".")[: len(here.split(".")) - node.level + 1]
+            base = ".".join([*parent, *([node.module] if node.module else [])])
+        names = {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return {m for m in names if m in modules and m != module}
 
 
 def layer(module: str) -> str:
@@ -256,22 +265,9 @@ def function_level_imports(package: Path) -> list[str]:
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 nested = [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
                 for node in nested:
-                    own = _imports_of(module, path, modules) & _imports_of_node(module, path, node, modules)
+                    own = _imports_of_node(module, path, node, modules)
                     out += [f"{path.relative_to(package)}:{node.lineno} {m}" for m in sorted(own)]
     return sorted(set(out))
-
-
-def _imports_of_node(module: str, path: Path, node, modules: dict) -> set[str]:
-    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    if isinstance(node, ast.Import):
-        names = {a.name for a in node.names}
-    else:
-        base = node.module or ""
-        if node.level:
-            parent = here.split(".")[: len(here.split(".")) - node.level + 1]
-            base = ".".join([*parent, *([node.module] if node.module else [])])
-        names = {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
-    return {m for m in names if m in modules and m != module}
 
 
 def test_function_level_imports_of_our_own_modules_do_not_grow():
