@@ -80,9 +80,13 @@ class MXFP8Kernels:
     emulated: bool = False
     """``KernelPreference.EMULATED`` (pure torch casts and GEMM, any device) instead of ``AUTO`` (SM100)."""
     scale_mode: str = "rceil"
+    """torchao ``ScaleCalculationMode`` ("rceil" | "floor"; the recipe's ``mx_scale_mode``)."""
     wgrad_high: bool = False
+    """The weight-gradient GEMM in high precision (torchao ``wgrad_with_hp``)."""
     dim0_cast_kernel: str = "triton"
+    """torchao ``MXFP8Dim0CastKernelChoice`` (``[quantize.torchao] mxfp8_dim0_cast_kernel``)."""
     dim1_cast_kernel: str = "cuda"
+    """torchao ``MXFP8Dim1CastKernelChoice`` (``[quantize.torchao] mxfp8_dim1_cast_kernel``)."""
 
     def torchao_enums(self) -> tuple:
         """(KernelPreference, ScaleCalculationMode, MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice)."""
@@ -114,7 +118,7 @@ def mxfp8_mm(x: torch.Tensor, weight: torch.Tensor, kernels: MXFP8Kernels) -> to
 def mxfp8_kernels(
     recipe: TorchaoRecipe, emulated: bool, dim0: str = "triton", dim1: str = "cuda"
 ) -> MXFP8Kernels:
-    """The ``MXFP8Kernels`` of an MXFP8 ``recipe``."""
+    """The ``MXFP8Kernels`` of an MXFP8 ``recipe`` (``dim0`` / ``dim1``: the cast kernels asked for)."""
     return MXFP8Kernels(emulated, recipe.mx_scale_mode, recipe.wgrad_high, dim0, dim1)
 
 

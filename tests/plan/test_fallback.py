@@ -87,7 +87,7 @@ def test_an_mxfp8_module_casts_with_a_kernel_that_exists(monkeypatch):
         cfg = torchao_backend.layer_config(
             Linear.Config(in_features=64, out_features=64), plan, TorchaoOptions()
         )
-        assert cfg.dim1_cast_kernel == "cuda" and cfg.build().kernels.dim1_cast_kernel == "triton"
+        assert cfg.kernels.dim1_cast_kernel == "cuda" and cfg.build().kernels.dim1_cast_kernel == "triton"
     finally:
         torchao_backend.available_dim1_kernel.cache_clear()
 

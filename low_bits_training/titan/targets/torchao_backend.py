@@ -33,7 +33,7 @@ from low_bits_training.nn import LinearPlan, torchao_modules
 from low_bits_training.nn.hardware import detect_hardware
 from low_bits_training.nn.torchao_recipes import TorchaoRecipe, torchao_recipe
 from low_bits_training.plan.backends import mxfp8_dim1_kernel
-from low_bits_training.titan.platform.compat import guard_fp8_stores
+from low_bits_training.titan.platform.compat import dtensor_local_tensor, guard_fp8_stores
 
 
 def float8_config(recipe: TorchaoRecipe, opts: TorchaoOptions, emulate: bool):
@@ -90,27 +90,21 @@ class TorchaoMXFP8Linear(_TitanMXFP8Linear):
     class Config(_TitanMXFP8Linear.Config):
         plan: LinearPlan = field(default_factory=LinearPlan)
         """The layer's plan (numerics torchao computes; backends ``torchao`` / ``torchao_emulated``)."""
-        emulated: bool = False
-        """torchao ``KernelPreference.EMULATED`` (pure torch casts and GEMM) instead of ``AUTO``."""
-        scale_mode: str = "rceil"
-        wgrad_high: bool = False
-        dim0_cast_kernel: str = "triton"
-        dim1_cast_kernel: str = "cuda"
+        kernels: torchao_modules.MXFP8Kernels = field(default_factory=torchao_modules.MXFP8Kernels)
+        """How torchao runs the layer (emulated or not, scale mode, high-precision wgrad, cast kernels); the
+        dim-1 cast kernel asked for, which the module swaps for one this process can run unless emulated."""
 
     def __init__(self, config: Config):
         guard_fp8_stores()  # MXFP8's dim-1 cast writes transposed fp8 bytes too
         super().__init__(config)
-        dim1 = config.dim1_cast_kernel if config.emulated else available_dim1_kernel(config.dim1_cast_kernel)
-        self.kernels = torchao_modules.MXFP8Kernels(
-            config.emulated,
-            config.scale_mode,
-            config.wgrad_high,
-            config.dim0_cast_kernel,
-            dim1,
-        )
+        kernels = config.kernels
+        if not kernels.emulated:
+            dim1 = available_dim1_kernel(kernels.dim1_cast_kernel)
+            kernels = dataclasses.replace(kernels, dim1_cast_kernel=dim1)
+        self.kernels = kernels
         # torchao's own attributes, kept true for anything that inspects them (forward reads self.kernels).
         self.kernel_preference, self.scale_calculation_mode = self.kernels.torchao_enums()[:2]
-        self.wgrad_with_hp = config.wgrad_high
+        self.wgrad_with_hp = kernels.wgrad_high
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out = torchao_modules.mxfp8_mm(input, self.weight, self.kernels)
@@ -190,14 +184,10 @@ def layer_config(linear_cfg, plan: LinearPlan, opts: TorchaoOptions):
             # rounds through the cast dtypes as eager does. A process-wide inductor switch.
             torch._inductor.config.emulate_precision_casts = True
         return TorchaoFloat8Linear.Config(**common, _torchao_config=float8_config(recipe, opts, emulated))
-    return TorchaoMXFP8Linear.Config(
-        **common,
-        emulated=emulated,
-        scale_mode=recipe.mx_scale_mode,
-        wgrad_high=recipe.wgrad_high,
-        dim0_cast_kernel=opts.mxfp8_dim0_cast_kernel,
-        dim1_cast_kernel=opts.mxfp8_dim1_cast_kernel,
+    kernels = torchao_modules.mxfp8_kernels(
+        recipe, emulated, opts.mxfp8_dim0_cast_kernel, opts.mxfp8_dim1_cast_kernel
     )
+    return TorchaoMXFP8Linear.Config(**common, kernels=kernels)
 
 
 def install_fsdp_scale_precompute(config) -> None:
@@ -233,8 +223,6 @@ def _is_fp8_all_gather_weight(module: torch.nn.Module) -> bool:
     # shard is torchao's fp8 all-gather wrapper.
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    from low_bits_training.titan.platform.compat import dtensor_local_tensor
 
     w = getattr(module, "weight", None)
     return isinstance(w, DTensor) and isinstance(dtensor_local_tensor(w), WeightWithDynamicFloat8CastTensor)
