@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from low_bits_training.config.section import checked_spec
 from low_bits_training.errors import ConfigError
 from low_bits_training.formats import HIGH, QuantSpec, get_format
+from low_bits_training.formats.spec import spec_kwargs
 
 SCALINGS = {"all_gather": ("tensor", "axis", "block", "tile"), "reduce_scatter": ("tensor", "block")}
 """Scalings each collective allows. All-gather: of the weight viewed as (rows, last dim), sharded by rows
@@ -32,7 +33,8 @@ scatter: of each parameter's flat per-rank chunk (tensor: one scale per chunk)."
 
 @dataclass(kw_only=True, slots=True)
 class WireFormat:
-    """The format of one collective's payload (fields as in ``QuantSpec``)."""
+    """The format of one collective's payload (fields as in ``QuantSpec``, passed to it by name:
+    ``formats.spec.spec_kwargs``)."""
 
     format: str = HIGH
     """Element format (``e4m3``, ``e5m2``, ``int8``, ``e2m1``, ...) or "high": the collective's own dtype
@@ -80,15 +82,7 @@ def wire_spec(wire: WireFormat, collective: str) -> QuantSpec | None:
     if wire.scaling not in SCALINGS[collective]:
         allowed = ", ".join(SCALINGS[collective])
         raise ConfigError(f"{where}.scaling = {wire.scaling!r}: expected one of {allowed}")
-    return checked_spec(
-        where,
-        wire.format,
-        wire.scaling,
-        block_size=wire.block_size,
-        scale_format=wire.scale_format,
-        scale_rounding=wire.scale_rounding,
-        rounding=wire.rounding,
-    )
+    return checked_spec(where, wire.format, **spec_kwargs(wire))
 
 
 def check_shard_degree(cfg: CommConfig, dp_shard: int) -> None:

@@ -5,7 +5,7 @@ one ``LinearPlan`` per target.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, ClassVar, Literal, get_args
 
 from low_bits_training.config.autopilot import AutopilotConfig
@@ -16,34 +16,25 @@ from low_bits_training.formats.spec import (
     AmaxCompute,
     FourOverSix,
     InfAmax,
+    QuantSpec,
     RoundingMode,
     ScaleFormat,
     ScaleMin,
     ScaleRounding,
     Scaling,
     Source,
+    shared_spec_fields,
 )
 from low_bits_training.nn.recipes import RecipeName
 
-RULE_SPEC_FIELDS = (
-    "scaling",
-    "block_size",
-    "scale_format",
-    "scale_rounding",
-    "rounding",
-    "saturate",
-    "margin",
-    "tensor_scale",
-    "scale_min",
-    "inf_amax",
-    "four_over_six",
-    "amax_history",
-    "amax_compute",
-    "rht",
-    "rht_seed",
-    "source",
+RULE_UNSET_SPEC_FIELDS = ("format", "axis")
+"""The ``QuantSpec`` fields a rule does not set by name: ``format`` (it also takes "high"; ``plan.resolve``
+reads it apart) and ``axis`` (the GEMM's contraction dim, which the role fixes)."""
+RULE_SPEC_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(QuantSpec) if f.name not in RULE_UNSET_SPEC_FIELDS
 )
-"""The fields of ``QuantRule`` that set a ``QuantSpec`` field of the same name."""
+"""The fields of ``QuantRule`` that set a ``QuantSpec`` field of the same name: all of ``QuantSpec``'s but
+``RULE_UNSET_SPEC_FIELDS`` (``QuantRule`` must declare each: checked at import)."""
 
 
 BackendSetting = Literal["emulate", "torchao", "auto"]
@@ -136,6 +127,22 @@ class QuantRule(Section):
     """QuantSpec.rht_seed: seed of the RHT's sign vector."""
     source: Source | None = None
     """QuantSpec.source: high | forward (dgrad.weight / wgrad.input cast from the forward GEMM's cast)."""
+
+
+def _check_rule_fields() -> None:
+    # A QuantSpec field QuantRule lacks could not be set by any rule (plan.resolve sets what both declare).
+    have = shared_spec_fields(QuantRule)
+    if have != RULE_SPEC_FIELDS:
+        missing = [n for n in RULE_SPEC_FIELDS if n not in have]
+        extra = [n for n in have if n not in RULE_SPEC_FIELDS]
+        raise TypeError(
+            f"QuantRule must declare every QuantSpec field but {', '.join(RULE_UNSET_SPEC_FIELDS)} "
+            f"(as `name: <QuantSpec's type> | None = None` with a docstring); missing: {missing}, "
+            f"not settable by a rule: {extra}"
+        )
+
+
+_check_rule_fields()
 
 
 @dataclass(kw_only=True, slots=True)

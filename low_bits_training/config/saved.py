@@ -25,7 +25,7 @@ from typing import Annotated, ClassVar, Literal
 from low_bits_training.config.section import AtLeast, Section, checked_spec
 from low_bits_training.errors import ConfigError
 from low_bits_training.formats import HIGH, QuantSpec
-from low_bits_training.formats.spec import ScaleFormat, ScaleRounding
+from low_bits_training.formats.spec import ScaleFormat, ScaleRounding, spec_kwargs
 
 CASTS = ("bf16", "fp16")
 """Formats kept as a plain torch dtype (no scales)."""
@@ -91,16 +91,7 @@ def rule_format(rule: SavedRule, where: str) -> SavedFormat:
     fmt = rule.format.lower()
     if fmt == HIGH or fmt in CASTS:
         return SavedFormat(None, None if fmt == HIGH else fmt, rule.min_numel, 0)
-    spec = checked_spec(
-        where,
-        fmt,
-        rule.scaling,
-        block_size=rule.block_size,
-        scale_format=rule.scale_format,
-        scale_rounding=rule.scale_rounding,
-        rounding=rule.rounding,
-        saturate=rule.saturate,
-    )
+    spec = checked_spec(where, fmt, **spec_kwargs(rule))  # the rule's QuantSpec fields
     if spec.elem.bits > 8:
         raise ConfigError(f"{where}.format = {rule.format!r}: a save is held in codes of <= 8 bits, or as "
                           f"{' / '.join(CASTS)}; use one of those or 'high'")  # fmt: skip

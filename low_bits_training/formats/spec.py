@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .table import get_format
 
@@ -215,3 +215,18 @@ class QuantSpec:
     def int8_rowwise(cls, axis: int = -1, **kw) -> QuantSpec:
         """Symmetric int8 (+-127), one fp32 scale per row."""
         return cls("int8", "axis", axis=axis, **kw)
+
+
+@functools.cache
+def shared_spec_fields(cls: type) -> tuple[str, ...]:
+    """The ``QuantSpec`` fields, ``format`` aside, that dataclass ``cls`` declares too (a config section:
+    ``[[quantize.rules]]``, a wire format, a saved format), in ``QuantSpec``'s order."""
+    own = {f.name for f in fields(cls)}
+    return tuple(f.name for f in fields(QuantSpec) if f.name != "format" and f.name in own)
+
+
+def spec_kwargs(section: Any) -> dict[str, Any]:
+    """The ``QuantSpec`` keyword arguments a config section gives: its ``shared_spec_fields`` by name, those
+    that are set (not None). ``format`` is left to the caller (each section has its own "high" / casts)."""
+    values = ((name, getattr(section, name)) for name in shared_spec_fields(type(section)))
+    return {name: v for name, v in values if v is not None}

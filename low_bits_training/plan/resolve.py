@@ -14,9 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from low_bits_training.config.quantize import RULE_SPEC_FIELDS, QuantizeConfig, QuantRule
+from low_bits_training.config.quantize import QuantizeConfig, QuantRule
 from low_bits_training.errors import ConfigError
 from low_bits_training.formats import HIGH, QuantSpec, check_divisible
+from low_bits_training.formats.spec import spec_kwargs
 from low_bits_training.nn import ROLE_NAMES, ROLES, LinearPlan
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.nn.recipes import recipe_specs
@@ -150,7 +151,7 @@ def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSp
     """
     if rule.format == HIGH:
         return None
-    changes = {k: getattr(rule, k) for k in RULE_SPEC_FIELDS if getattr(rule, k) is not None}
+    changes = spec_kwargs(rule)  # config.quantize.RULE_SPEC_FIELDS, those the rule sets
     try:
         if rule.format is None:
             return None if current is None else dataclasses.replace(current, **changes)
