@@ -23,19 +23,12 @@ from low_bits_training.cli.resource_checks import (
     check_state_bytes,
     check_tokenizer,
 )
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn.hardware import Hardware
-
-
-def cpu_adapters_once() -> None:
-    """The CPU adapters before the first torchtitan import (a no-op when they are in or not needed)."""
-    import sys
-
-    from low_bits_training.titan.platform import cpu
-
-    tt = sys.modules.get("torchtitan.tools.utils")
-    if cpu.needs_cpu_adapters() and getattr(tt, "device_type", None) != "cpu":
-        cpu.install_device_module()
-
+from low_bits_training.titan.launch.datasets import TokenizerMissing
+from low_bits_training.titan.launch.launcher import check
+from low_bits_training.titan.runtime.budget import planned
+from low_bits_training.titan.runtime.checkpoint import CheckpointError
 
 TOKENIZER_FREE = [
     *("--dataloader.dataset", "lbt_markov", "--dataloader.dataset_path", "./assets/lbt_markov"),
@@ -61,11 +54,6 @@ def checked_config(
     Returns:
         The check and the built config (None when it did not resolve).
     """
-    from low_bits_training.errors import ConfigError
-    from low_bits_training.titan.launch.datasets import TokenizerMissing
-    from low_bits_training.titan.launch.launcher import check
-    from low_bits_training.titan.runtime.checkpoint import CheckpointError
-
     processes = _processes(env if env is not None else dict(os.environ))
     try:
         config, resume = check(
@@ -117,8 +105,6 @@ def _processes(env: dict[str, str]) -> int:
 def state_budget(config: Any, env: dict[str, str]) -> tuple[Any, str | None]:
     """The run's training-state bytes computed from its config (``titan.runtime.budget.planned``: model and
     optimizers built on the meta device, ``NGPU`` processes), or None and why not."""
-    from low_bits_training.titan.runtime.budget import planned
-
     try:
         return planned(config, _processes(env)), None
     except ValueError as e:  # an optimizer without a byte model
@@ -139,7 +125,6 @@ def config_checks(
     Returns:
         The checks and whether the config asks for W&B.
     """
-    cpu_adapters_once()
     status, config = checked_config(config_file, args, env, stand_in=True)
     if config is None:
         return [status], False

@@ -23,9 +23,12 @@ from low_bits_training.cli.checks import (
     check_versions,
     check_wandb,
 )
+from low_bits_training.cli.config_checks import config_checks
 from low_bits_training.cli.runner import repo_root
+from low_bits_training.cli.speed import check_speed
 from low_bits_training.nn.hardware import Hardware, detect_hardware
 from low_bits_training.run.exits import ExitCode
+from low_bits_training.titan.platform import noise
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
 """``run_llama_train.sh``'s ``CONFIG_FILE`` default (a test holds the two equal)."""
@@ -74,9 +77,6 @@ def run_checks(
     Returns:
         The checks.
     """
-    from low_bits_training.cli.config_checks import config_checks
-    from low_bits_training.cli.speed import check_speed
-
     checks = [*check_versions(), check_cuda(), check_nccl(), check_gpu_count(env)]
     hw = hw or detect_hardware()
     more, wandb_asked = config_checks(
@@ -102,8 +102,6 @@ def exit_code(checks: list[Check]) -> ExitCode:
 
 
 def main(argv: list[str] | None = None) -> ExitCode:
-    from low_bits_training.titan.platform import noise
-
     noise.install()  # upstream lines no user can act on: torchtitan warns once per config checked here
     parser = argparse.ArgumentParser(
         prog="lbt-doctor", description=__doc__.split("\n\n")[1], allow_abbrev=False

@@ -10,10 +10,18 @@ from collections import Counter
 from typing import Any
 
 from low_bits_training.cli.checks import Check
+from low_bits_training.config.argv import flag_names
+from low_bits_training.errors import ConfigError
 from low_bits_training.nn import GEMMS
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.plan.backends import gemm_backend, torchao_kernel_refusal
+from low_bits_training.plan.table import fallbacks
+from low_bits_training.titan.launch.configure import read_toml
+from low_bits_training.titan.runtime.graphs import graph_policy
+from low_bits_training.titan.targets import registry
+from low_bits_training.titan.targets.attention import UNCHANGED
+from low_bits_training.titan.targets.registry import plan_on
 
 _SLOW = ("emulate", "torchao_emulated")
 
@@ -25,8 +33,6 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
     The run the launcher trains (``titan.targets.registry.resolve_run``: the plan of step 1, a phase starting at
     step 0 included); entries a base's torchtitan converter swapped are ``torchtitan``.
     """
-    from low_bits_training.titan.targets import registry
-
     run = registry.run_of(config, hw) if quantize is None else registry.resolve_run(config, hw, quantize)
     labels = run.labels()
     out = {fqn: (labels[fqn], tuple(gemm_backend(p, g) for g in GEMMS)) for fqn, p in run.plans.items()}
@@ -36,8 +42,6 @@ def layer_backends(config: Any, hw: Hardware, quantize: Any = None) -> dict[str,
 
 
 def _slow_fix(config: Any, hw: Hardware, quantize: Any) -> str:
-    from low_bits_training.titan.targets.registry import plan_on
-
     if hw.kind == "cpu":
         return "CPU: numerics are exact, speed is not a GPU's"
     plans = plan_on(config, hw, quantize)
@@ -55,8 +59,6 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
     Raises:
         ConfigError: the plan does not resolve (see ``plan.resolve.resolve_plan``).
     """
-    from low_bits_training.titan.targets.attention import UNCHANGED
-
     # attention the plan leaves alone is not listed (it runs as it would without this package)
     rows = {f: r for f, r in layer_backends(config, hw, quantize).items() if r[0] != UNCHANGED}
     counts = Counter((label, "/".join(dict.fromkeys(b))) for label, b in rows.values())
@@ -69,9 +71,6 @@ def check_backends(config: Any, hw: Hardware, quantize: Any = None, name: str = 
 def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
     """One WARN row per reason a group of the run's layers does not run torchao's kernel on ``hw``
     (``plan.table.fallbacks``: the lines under the plan table, from ``backends.fallback_reason``)."""
-    from low_bits_training.plan.table import fallbacks
-    from low_bits_training.titan.targets import registry
-
     run = registry.run_of(config, hw)
     rows = fallbacks(run.plans, run.shapes, hw, config.quantize.backend, config.quantize.torchao)
     return [Check("fallback", "WARN", f"{', '.join(labels)}: {why}") for why, labels in rows]
@@ -80,8 +79,6 @@ def check_fallbacks(config: Any, hw: Hardware) -> list[Check]:
 def check_saved(config: Any, hw: Hardware) -> list[Check]:
     """One OK row for ``[[quantize.saved]]`` (none without rules): each format and the modules that keep
     their saves in it (the run resolved them: ``titan.targets.saved``)."""
-    from low_bits_training.titan.targets import registry
-
     by_format: dict[str, list[str]] = {}
     for fqn, fmt in registry.run_of(config, hw).saved.items():
         by_format.setdefault(fmt.label, []).append(fqn)
@@ -97,8 +94,6 @@ def check_autopilot(config: Any, hw: Hardware) -> list[Check]:
     """One row for ``[quantize.autopilot]`` (none when off): its ladder and triggers, and how many quantized
     linear layers it can promote (ours: a layer torchao runs cannot take another plan mid-run); WARN when
     that is none."""
-    from low_bits_training.titan.targets import registry
-
     pilot = config.quantize.autopilot
     if not pilot.enable:
         return []
@@ -155,10 +150,6 @@ def check_compile(config: Any, hw: Hardware) -> Check:
 
 def check_cuda_graphs(config: Any, hw: Hardware, config_file: str | None, args: list[str]) -> Check:
     """The CUDA-graph policy the run gets on ``hw`` (``titan/runtime/graphs.py``: on, or off and why)."""
-    from low_bits_training.config.argv import flag_names
-    from low_bits_training.titan.launch.configure import read_toml
-    from low_bits_training.titan.runtime.graphs import graph_policy
-
     toml = read_toml(config_file).get("training", {}) if config_file else {}
     by_user = bool(toml.get("disable_cuda_graphs")) or "training.disable_cuda_graphs" in flag_names(args)
     return Check(
@@ -169,8 +160,6 @@ def check_cuda_graphs(config: Any, hw: Hardware, config_file: str | None, args: 
 
 
 def recipe_check(config: Any, hw: Hardware, recipe: str) -> Check:
-    from low_bits_training.errors import ConfigError
-
     try:
         return check_backends(
             config, hw, dataclasses.replace(config.quantize, recipe=recipe), f"recipe {recipe}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from low_bits_training.report import build_report
 from low_bits_training.run.exits import ExitCode
 from low_bits_training.titan.platform import noise
 
@@ -19,7 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="run folders (each a training's dump_folder)")
     p.add_argument("-o", "--out", default="report", help="output folder for the PNGs and report.html")
     args = p.parse_args(argv)
-    from low_bits_training.report import build_report
 
     try:
         page = build_report(args.runs, args.out)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from low_bits_training.cli.checks import Check, check_disk
+from low_bits_training.titan.launch.datasets import TOKENIZER_FILES, tokenizer_file
 
 HUB_FREE_DATASETS = ("lbt_markov", "lbt_markov_validation")
 
@@ -54,7 +55,6 @@ def glob_exists(path: str) -> bool:
 def check_tokenizer(config: Any) -> Check:
     """Where the tokenizer is (the launcher's validation already refused a folder without one)."""
     # the launcher's: one home
-    from low_bits_training.titan.launch.datasets import TOKENIZER_FILES, tokenizer_file
 
     path = Path(config.hf_assets_path)
     found = tokenizer_file(path)

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import sys
 
+from low_bits_training.cli.checks import Check
 from low_bits_training.cli.runner import REPO
 from low_bits_training.cli.speed_targets import (
     as_run_line,
@@ -24,13 +25,16 @@ from low_bits_training.cli.speed_targets import (
     run_targets_on,
 )
 from low_bits_training.errors import ConfigError
+from low_bits_training.nn.hardware import detect_hardware
+from low_bits_training.nn.recipes import RECIPES, recipe_specs
 from low_bits_training.run.exits import ExitCode
 from low_bits_training.speed import GPUS, GemmTarget, GpuSpec, gpu, predict
+from low_bits_training.speed.gpus import gpu_for_device
+from low_bits_training.speed.published import comparison
+from low_bits_training.speed.report import layer_table, published_table, summary, table
 
 
 def report_run(ns, rest: list[str]) -> ExitCode:
-    from low_bits_training.speed.report import layer_table, summary
-
     config, note = load_config(ns.config_file, rest)
     if note:
         print(note)
@@ -54,8 +58,6 @@ def spec_for(hw) -> GpuSpec | None:
     capability."""
     import torch
 
-    from low_bits_training.speed.gpus import gpu_for_device
-
     if hw.kind != "cuda":
         return None
     if torch.cuda.is_available() and tuple(torch.cuda.get_device_capability(0)) == hw.capability:
@@ -68,8 +70,6 @@ def spec_for(hw) -> GpuSpec | None:
 def check_speed(config, hw) -> list:
     """lbt-doctor's "speed" row on a GPU (none on a CPU): ``as_run_line``; a WARN where emulated GEMMs make
     the step predicted slower than bf16's."""
-    from low_bits_training.cli.checks import Check
-
     spec = spec_for(hw)
     if spec is None:
         return []
@@ -83,8 +83,6 @@ def check_speed(config, hw) -> list:
 def run_notes(config) -> list[str]:
     """The launcher's line before a run on this machine's GPU (``cli/train.py``): ``as_run_line`` where
     some quantized GEMM is emulated there; nothing on a CPU or where every one runs on a kernel."""
-    from low_bits_training.nn.hardware import detect_hardware
-
     spec = spec_for(detect_hardware())
     if spec is None:
         return []
@@ -114,9 +112,6 @@ def preset_tables(gpus: list[str], dp: int) -> str:
     """One markdown table per GPU: every preset in train_configs/ (rows) x its own plan and every recipe in
     place of its ``[quantize] recipe`` (its rules and skip kept): the predicted step speedup over bf16."""
     import os
-
-    from low_bits_training.nn.recipes import RECIPES
-    from low_bits_training.speed.report import table
 
     os.chdir(REPO)  # presets name their data and assets relative to the repository
     rows: dict[str, list[list[str]]] = {name: [] for name in gpus}
@@ -160,8 +155,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def check_args(ns: argparse.Namespace) -> None:
     """Raises ConfigError (one line) for a GPU, recipe or --dp the model does not know."""
-    from low_bits_training.nn.recipes import recipe_specs
-
     for name in ns.gpu:
         if name.lower() not in {g.lower() for g in GPUS}:
             raise ConfigError(f"--gpu = {name!r}: expected one of {', '.join(GPUS)}")
@@ -176,9 +169,6 @@ def main(argv: list[str] | None = None) -> ExitCode:
     try:
         check_args(ns)
         if ns.published:
-            from low_bits_training.speed.published import comparison
-            from low_bits_training.speed.report import published_table
-
             print(published_table(comparison()))
             return ExitCode.OK
         if ns.presets:

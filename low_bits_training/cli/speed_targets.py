@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from low_bits_training.cli.config_checks import checked_config
 from low_bits_training.errors import ConfigError
+from low_bits_training.plan.backends import gemm_backend
 from low_bits_training.speed import GemmTarget, GpuSpec, Prediction, predict
+from low_bits_training.titan.targets.registry import resolve_run
 
 AC_RECOMPUTE = {"SelectiveAC": 0.5, "FullAC": 1.0, "MemoryBudgetAC": 0.5}
 """Activation checkpointing config class -> extra forward passes of the linears (torchtitan's per-op
@@ -25,9 +28,6 @@ def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
     Raises:
         ConfigError: the config does not resolve.
     """
-    from low_bits_training.cli.config_checks import checked_config, cpu_adapters_once
-
-    cpu_adapters_once()
     check, config = checked_config(config_file, args, stand_in=True)
     if config is None:
         raise ConfigError(check.detail)
@@ -39,14 +39,7 @@ def load_config(config_file: str, args: list[str]) -> tuple[object, str]:
 
 
 def resolved(config, hw, quantize=None) -> tuple[dict, dict]:
-    """(FQN -> LinearPlan, FQN -> LayerShape) of ``config`` resolved on ``hw``: the registry of targets
-    (``titan.targets.registry``) where it exists, else ``titan.targets.linear``'s plan."""
-    try:
-        from low_bits_training.titan.targets.registry import resolve_run
-    except ImportError:  # before the registry of targets
-        from low_bits_training.titan.targets.linear import layer_shapes, plan_on
-
-        return plan_on(config, hw, quantize), layer_shapes(config)
+    """(FQN -> LinearPlan, FQN -> LayerShape) of ``config`` resolved on ``hw`` (``titan.targets.registry``)."""
     run = resolve_run(config, hw, quantize)
     return run.plans, run.shapes
 
@@ -120,8 +113,6 @@ def run_targets(config, plans: dict, shapes: dict, dp: int) -> list[GemmTarget]:
 def emulated_share(pred: Prediction, plans: dict) -> float:
     """Share of the step's quantized GEMM FLOPs (an operand in low precision) that this package would run
     emulated on that GPU (``plan.backends.gemm_backend``): slower than the model's kernels."""
-    from low_bits_training.plan.backends import gemm_backend
-
     quantized = emulated = 0.0
     for row in pred.rows:
         plan = plans[row.target.fqn]

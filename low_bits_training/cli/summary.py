@@ -8,6 +8,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from low_bits_training.report.runs import has_metrics, load_run, step_cell
+
 
 @dataclass(frozen=True)
 class RunStats:
@@ -34,8 +36,6 @@ class RunStats:
 
 def run_stats(folder: str | Path) -> RunStats | None:
     """The summary of a run folder, or None when it has no metrics."""
-    from low_bits_training.report.runs import has_metrics, load_run
-
     if not has_metrics(folder):
         return None
     run = load_run(folder)
@@ -44,8 +44,6 @@ def run_stats(folder: str | Path) -> RunStats | None:
 
 def final_step(stats: list[RunStats]) -> str:
     """The "final step" cell of runs pooled in one row (``report.runs.step_cell``: ``12/12``, ``10-12/12``)."""
-    from low_bits_training.report.runs import step_cell
-
     totals = {s.total_steps for s in stats}
     return step_cell([s.last_step for s in stats], totals.pop() if len(totals) == 1 else None)
 

@@ -9,4 +9,13 @@
 
 The config sections the trainer carries (``[job]``, ``[quantize]``, ``[numerics]``, ``[profiling]``) live in
 ``low_bits_training/config/``; their pure resolution in ``low_bits_training/plan/``.
+
+Importing any module of titan first puts the platform in (``platform.stand``): the upstream lines no user can
+act on are filtered (``platform/noise.py``) and, on a machine without an accelerator, torchtitan's device
+module points at the CPU (``platform/cpu.py``, adapter 1), before any torchtitan module is imported. So every
+module here imports torchtitan at its top, and no entry point has to remember an order.
 """
+
+from low_bits_training.titan.platform.stand import stand
+
+stand()

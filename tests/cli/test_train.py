@@ -24,7 +24,7 @@ def test_lbt_train_is_the_launcher():
 def test_before_a_gpu_run_one_line_says_what_is_emulated_and_the_step_predicted(
     monkeypatch, capsys, tmp_path
 ):
-    from low_bits_training.cli import train
+    from low_bits_training.cli import speed, train
     from low_bits_training.nn import hardware
 
     out = str(tmp_path / "run")  # not the checkout's outputs/debug_model (the README's first command's)
@@ -33,9 +33,7 @@ def test_before_a_gpu_run_one_line_says_what_is_emulated_and_the_step_predicted(
     monkeypatch.chdir(REPO)
     assert train.main([*debug, "deepseek_fp8"]) == 0  # this CPU: no line
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(
-        hardware, "detect_hardware", lambda: hardware.Hardware("cuda", (9, 0))
-    )  # as on an H100
+    monkeypatch.setattr(speed, "detect_hardware", lambda: hardware.Hardware("cuda", (9, 0)))  # as on an H100
     assert train.main([*debug, "deepseek_fp8"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         "low-bits-training: this package on H100: 100% of the quantized GEMM FLOPs emulated, 84% of the GEMM "

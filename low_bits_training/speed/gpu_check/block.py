@@ -22,6 +22,9 @@ from low_bits_training.nn import LinearPlan, QuantLinear
 from low_bits_training.nn.hardware import detect_hardware
 from low_bits_training.nn.torchao_modules import torchao_linear
 from low_bits_training.plan.backends import layer_backends
+from low_bits_training.speed import predict
+from low_bits_training.speed.gpus import gpu_for_device
+from low_bits_training.speed.workloads import decoder_targets, llama3
 
 from .catalog import RECIPES
 from .compiling import compile_variants
@@ -119,10 +122,6 @@ def predicted(recipe: str, s: BlockShape, device_name: str | None, hw=None) -> t
     """The speed model's step speedup over bf16 of this block on this GPU: as hardware kernels would run it,
     and as this package runs it (``predict(as_run=True)``: each linear's backend from ``layer_backends`` on
     ``hw``, emulated GEMMs at the emulation's dtype). None: a GPU the model does not know."""
-    from low_bits_training.speed import predict
-    from low_bits_training.speed.gpus import gpu_for_device
-    from low_bits_training.speed.workloads import decoder_targets, llama3
-
     spec = gpu_for_device(device_name) if device_name else None
     if spec is None:
         return None

@@ -27,6 +27,8 @@ from low_bits_training.nn.torchao_modules import torchao_linear
 from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.plan.backends import torchao_kernel_refusal
 
+from .catalog import RECIPES as SUMMARY
+
 CAST_ROUNDINGS = ("nearest", "stochastic")
 SCALE_ONLY = ("e8m0", "ue4m3")
 """Scale formats: cast with scaling "none" on positive values."""
@@ -200,8 +202,6 @@ def no_scaled_mm(recipe: str) -> dict:
 def scaled_mm_exact_rows(ctx) -> list[dict]:
     """The exact ``_scaled_mm`` cases this device runs (fast accumulation: CUDA only), and why the other
     summary recipes have none."""
-    from .catalog import RECIPES as SUMMARY
-
     cases = [(False, False), (True, False)] + ([(False, True), (True, True)] if ctx.device == "cuda" else [])
     others = [no_scaled_mm(r) for r in SUMMARY if r not in ("bf16", *REAL_RECIPES)]
     return [scaled_mm_exact(ctx.device, r, f) for r, f in cases] + others
@@ -257,8 +257,6 @@ def torchao_vs_emulation(recipe: str, device: str, emulated: bool = False) -> di
 def torchao_rows(ctx) -> list[dict]:
     """Each summary recipe torchao computes: its kernel against our emulation where this GPU has the kernel,
     else a skip with ``plan.backends``' reason (MXFP8 needs SM100: no false failure on an H100)."""
-
-    from .catalog import RECIPES as SUMMARY
 
     hw = detect_hardware()
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
 from torchtitan.models.llama3 import model_registry
-from torchtitan.models.llama3.config_registry import llama3_8b
+from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.trainer import Trainer
 
-from low_bits_training.titan.platform.compat import qwen3_builders
+from low_bits_training.titan.platform.compat import llama3_builders, qwen3_builders
 
 __all__ = ["llama3_1b", "llama3_narrow", "llama3_tiny", "qwen3_moe_tiny"]
 """Every base of ours, by the name ``[job] base`` gives after ``low_bits_training.titan.launch.bases:``."""
@@ -32,8 +35,6 @@ def llama3_1b() -> Trainer.Config:
 
 def llama3_tiny() -> Trainer.Config:
     """The debug model cut to its first 2 layers: the fastest real Llama 3 for smoke tests on CPU."""
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
     config = llama3_debugmodel()
     config.model_spec.model.layers = config.model_spec.model.layers[:2]
     return config
@@ -47,11 +48,6 @@ def llama3_narrow() -> Trainer.Config:
     flavors use), so inits, RoPE (head dim 16, as the debug model) and attention are the debug model's.
     """
     import dataclasses
-
-    from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-    from low_bits_training.titan.platform.compat import llama3_builders
 
     config = llama3_debugmodel()
     model = config.model_spec.model
@@ -75,7 +71,6 @@ def llama3_narrow() -> Trainer.Config:
 
 def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):
     # torchtitan's own builders (models/qwen3/__init__.py) at a size that trains on a laptop CPU.
-    from torchtitan.models.qwen3.model import Qwen3Model
 
     head_dim = 32
     embedding_init, linear_init, build_moe_layers, norm = qwen3_builders()
@@ -107,8 +102,6 @@ def qwen3_moe_tiny() -> Trainer.Config:
     torchtitan's ``debugmodel_moe`` (8 layers, 64 experts, top 8, hidden 768) takes seconds per step on a
     CPU; this one keeps every part of the MoE (router, load-balancing bias, grouped experts, dispatcher).
     """
-    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
-
     config = qwen3_moe_debug()
     config.model_spec.model = _tiny_moe_model(4, 128, 8, 2, 128, 2048)
     config.model_spec.flavor = "tiny_moe"

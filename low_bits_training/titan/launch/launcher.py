@@ -41,9 +41,12 @@ from typing import Any
 
 from low_bits_training.errors import ConfigError
 from low_bits_training.run.exits import SIGNAL_BASE, ExitCode, classify
+from low_bits_training.titan.launch import worker
 from low_bits_training.titan.launch.failures import HoldBack, chosen_failure, crash_report, crashed, shown
-from low_bits_training.titan.launch.worker import UNDER_LAUNCHER
-from low_bits_training.titan.platform import noise
+from low_bits_training.titan.launch.validate import check_run
+from low_bits_training.titan.launch.worker import UNDER_LAUNCHER, build_config
+from low_bits_training.titan.platform import cpu
+from low_bits_training.titan.platform.compat import metrics_rank
 from low_bits_training.titan.platform.devices import (
     ALLOW_CPU_RANKS,
     cuda_refusal,
@@ -135,8 +138,6 @@ def check_accelerator(config, processes: int) -> None:
     """
     import torch
 
-    from low_bits_training.titan.platform import cpu
-
     if not cpu.needs_cpu_adapters() or os.environ.get(ALLOW_CPU_RANKS) == "1":
         return
     driver = nvidia_driver()
@@ -193,13 +194,6 @@ def check(training: list[str], processes: int, here: bool = True):
     Raises:
         ConfigError, CheckpointError: one line each; ``SystemExit`` for ``--help`` (tyro prints it).
     """
-    from low_bits_training.titan.platform import cpu
-
-    if cpu.needs_cpu_adapters():
-        cpu.install_device_module()
-    from low_bits_training.titan.launch.validate import check_run
-    from low_bits_training.titan.launch.worker import build_config
-
     with quiet():
         config = build_config(training)
         if here:
@@ -229,8 +223,6 @@ def show_the_loss(args, config, processes: int) -> str | None:
         The line saying which ranks are shown (None: no pipeline, or the loss's rank is shown already).
     """
     from torch.distributed.run import determine_local_world_size
-
-    from low_bits_training.titan.platform.compat import metrics_rank
 
     p = config.parallelism
     if p.pipeline_parallel_degree <= 1 or not args.local_ranks_filter:  # no filter: every rank is shown
@@ -268,8 +260,6 @@ def start_method(config) -> str:
     Raises:
         ConfigError: ``$LBT_START_METHOD`` is neither ``fork`` nor ``spawn``, or ``fork`` with an accelerator.
     """
-    from low_bits_training.titan.platform import cpu
-
     on_cpu = cpu.needs_cpu_adapters()
     chosen = os.environ.get(START_METHOD, "")
     if chosen not in ("", "fork", "spawn") or (chosen == "fork" and not on_cpu):
@@ -304,8 +294,6 @@ def forked_rank(*argv: str) -> None:
     import traceback
 
     import torch
-
-    from low_bits_training.titan.launch import worker
 
     sys.stdout.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [worker.__file__, *argv]
@@ -365,7 +353,6 @@ def main(argv: list[str] | None = None, notes: Callable[[Any], list[str]] | None
             rank starts, from the checked config: ``lbt-train`` / ``run_llama_train.sh`` pass the speed
             model's word on what a GPU run emulates (``cli.speed.run_notes``; titan cannot import speed).
     """
-    noise.install()  # upstream lines no user can act on (titan/platform/noise.py)
     options, training = split_argv(sys.argv[1:] if argv is None else argv)
     check_only = CHECK_ONLY in options
     args = torchrun_args([o for o in options if o != CHECK_ONLY], training)

@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import torchtitan.tools.utils as titan_utils
+
 from low_bits_training.config.comm import check_shard_degree
 from low_bits_training.errors import ConfigError
+from low_bits_training.titan.runtime.checkpoint import preflight
+from low_bits_training.titan.runtime.manifest import fingerprint
+from low_bits_training.titan.runtime.numerics.monitor import layer_probes_work
+from low_bits_training.titan.targets.attention import check_attention_memory
+from low_bits_training.titan.targets.registry import run_of
 
 # (key, smallest allowed value, note); the key is the TOML / flag path.
 RANGES: tuple[tuple[str, float, str], ...] = (
@@ -171,8 +178,6 @@ def check_numerics(config: Any, layout: Layout) -> None:
     Raises:
         ConfigError: ``[numerics] stats_freq`` or ``whatif`` with ``pipeline_parallel_degree > 1`` and compile.
     """
-    from low_bits_training.titan.runtime.numerics.monitor import layer_probes_work
-
     numerics = getattr(config, "numerics", None)
     if numerics is None or layer_probes_work(layout.pp, config.compile.enable):
         return
@@ -210,10 +215,8 @@ def check_autopilot(config: Any, layout: Layout) -> None:
 def device_memory() -> int:
     """Bytes of one device as torchtitan's device module gives them (the CPU adapter's: the host's RAM;
     0: unknown)."""
-    from torchtitan.tools.utils import device_module
-
     try:
-        return int(device_module.get_device_properties(0).total_memory)
+        return int(titan_utils.device_module.get_device_properties(0).total_memory)
     except (AssertionError, RuntimeError, AttributeError):
         return 0
 
@@ -238,8 +241,6 @@ def model_as_trained(config: Any) -> Any:
 def trained_fingerprint(config: Any, model: Any) -> dict[str, Any] | None:
     """The fingerprint the trainer will give its checkpoints (``manifest.fingerprint`` of the config with
     the model config as trained)."""
-    from low_bits_training.titan.runtime.manifest import fingerprint
-
     if model is None:
         return None
     spec = SimpleNamespace(model=model, flavor=getattr(config.model_spec, "flavor", None))
@@ -263,10 +264,6 @@ def check_run(config: Any, world_size: int) -> str | None:
         ConfigError: a value out of range, degrees that do not fit the processes, a model check.
         CheckpointError: a checkpoint the run could not resume.
     """
-    from low_bits_training.titan.runtime.checkpoint import preflight
-    from low_bits_training.titan.targets.attention import check_attention_memory
-    from low_bits_training.titan.targets.registry import run_of
-
     check_ranges(config)
     layout = parallel_layout(config, world_size)
     check_sequence(config, layout)

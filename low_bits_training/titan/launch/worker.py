@@ -2,9 +2,10 @@
 ...]``.
 
 torchrun starts one of these per rank (``run_llama_train.sh`` through ``titan/launch/launcher.py``, which has
-checked the whole config before). What ``torchtitan.train.main`` does, plus: CPU adapters first (before any
-other torchtitan import), the TOML layer, the project's datasets, and the run's own files (resolved config,
-precision plan) written once the run has really started: after the checkpoint, if any, was loaded.
+checked the whole config before). What ``torchtitan.train.main`` does, plus: CPU adapters first (put in
+by importing titan: ``titan/platform/stand.py``), the TOML layer, the project's datasets, and the run's own
+files (resolved config, precision plan) written once the run has really started: after the checkpoint, if
+any, was loaded.
 
 A run that cannot go on ends in one line and an exit code that says why (``run/exits.py``: ``ExitCode``,
 ``ENDINGS``); under the launcher the line goes to torchrun's error file and the launcher prints it once,
@@ -18,10 +19,22 @@ import os
 import sys
 import time
 
+import torch
+from torchtitan.tools.logging import init_logger, logger
+
 from low_bits_training.config.argv import take_flag
 from low_bits_training.errors import ConfigError
 from low_bits_training.run.exits import ExitCode, classify
-from low_bits_training.titan.platform import cpu, noise
+from low_bits_training.titan.launch import datasets
+from low_bits_training.titan.launch.configure import load_config, save_resolved
+from low_bits_training.titan.platform import cpu
+from low_bits_training.titan.platform.devices import this_machine_refusal
+from low_bits_training.titan.platform.ranks import is_rank0
+from low_bits_training.titan.runtime.checkpoint import LowBitsCheckpointManager
+from low_bits_training.titan.runtime.graphs import apply_graph_policy, graphs_off_before_check
+from low_bits_training.titan.runtime.optim import adapt_optimizer_config
+from low_bits_training.titan.targets.registry import apply_run, save_plan
+from low_bits_training.titan.targets.torchao_backend import guard_torchao_modules
 
 UNDER_LAUNCHER = "LBT_LAUNCHER"
 """Set (to 1) by the launcher for its ranks: report errors through torchrun's error file, not stderr."""
@@ -49,9 +62,6 @@ def load_on_platform(config_file: str | None, rest: list[str], on_cpu: bool):
     Raises:
         ConfigError: one line.
     """
-    from low_bits_training.titan.launch.configure import load_config
-    from low_bits_training.titan.runtime.graphs import graphs_off_before_check
-
     try:
         config = load_config(config_file, rest, platform_defaults=cpu_defaults if on_cpu else None)
     except ConfigError as refused:
@@ -76,12 +86,6 @@ def build_config(argv: list[str]):
     Raises:
         ConfigError: one line, before any model is built.
     """
-    from low_bits_training.titan.launch import datasets
-    from low_bits_training.titan.runtime.graphs import apply_graph_policy
-    from low_bits_training.titan.runtime.optim import adapt_optimizer_config
-    from low_bits_training.titan.targets.registry import apply_run
-    from low_bits_training.titan.targets.torchao_backend import guard_torchao_modules
-
     config_file, rest = split_config_file(argv)
     on_cpu = cpu.needs_cpu_adapters()
     config = load_on_platform(config_file, rest, on_cpu)
@@ -108,8 +112,6 @@ def report(error: BaseException) -> ExitCode | None:
     Under the launcher the line goes to torchrun's per-rank error file (the launcher prints it once);
     otherwise rank 0 prints it to stderr.
     """
-    from low_bits_training.titan.platform.ranks import is_rank0
-
     known = classify(error)
     if known is None:
         return None
@@ -125,12 +127,6 @@ def report(error: BaseException) -> ExitCode | None:
 
 def write_run_files(config, argv: list[str]) -> None:
     """The run has started: rank 0 writes the resolved config and the precision plan into the run folder."""
-    from torchtitan.tools.logging import logger
-
-    from low_bits_training.titan.launch.configure import save_resolved
-    from low_bits_training.titan.platform.ranks import is_rank0
-    from low_bits_training.titan.targets.registry import save_plan
-
     if is_rank0():
         path = save_resolved(config, config.dump_folder, [sys.argv[0], *argv])
         logger.info(f"Resolved config written to {path}")
@@ -140,11 +136,6 @@ def write_run_files(config, argv: list[str]) -> None:
 def run(config, on_start) -> None:
     """Build the trainer, call ``on_start()`` once the checkpoint (if any) is loaded, and train; close the
     trainer whatever happens (as torchtitan.train.main does)."""
-    import torch
-    from torchtitan.tools.logging import logger
-
-    from low_bits_training.titan.runtime.checkpoint import LowBitsCheckpointManager
-
     trainer = None
     try:
         trainer = config.build()
@@ -172,8 +163,6 @@ def remove_empty_comm_traces(config) -> None:
     torchtitan makes that folder at every start for NCCL's flight recorder (``comm.save_traces_folder``,
     distributed/utils.py ``init_distributed``), which writes into it only when a collective times out.
     """
-    from low_bits_training.titan.platform.ranks import is_rank0
-
     folder = os.path.join(config.dump_folder, config.comm.save_traces_folder)
     if is_rank0() and os.path.isdir(folder) and not os.listdir(folder):
         os.rmdir(folder)
@@ -186,8 +175,6 @@ def refuse_this_machine() -> None:
     Raises:
         ConfigError: the refusal, one line.
     """
-    from low_bits_training.titan.platform.devices import this_machine_refusal
-
     why = this_machine_refusal()
     if why:
         raise ConfigError(why)
@@ -196,12 +183,7 @@ def refuse_this_machine() -> None:
 def main(argv: list[str] | None = None) -> int:
     """One rank: resolve the config, train; a known error is one line and its exit code (``exits.ENDINGS``)."""
     argv = sys.argv[1:] if argv is None else argv
-    noise.install()  # upstream lines no user can act on (titan/platform/noise.py), before torch logs any
-    if cpu.needs_cpu_adapters():
-        cpu.install_device_module()
-    from torchtitan.tools.logging import init_logger
-
-    init_logger()
+    init_logger()  # the noise filters and the CPU adapters went in when titan was imported (platform/stand.py)
     try:
         refuse_this_machine()
         config = build_config(argv)

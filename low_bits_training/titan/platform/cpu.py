@@ -125,8 +125,8 @@ def install_device_module() -> None:
     early = [m for m in _COPIERS if m in sys.modules]
     if early:
         raise RuntimeError(
-            f"CPU adapter applied too late: {early} already imported; call "
-            "low_bits_training.titan.platform.cpu.install_device_module() before importing torchtitan"
+            f"CPU adapter applied too late: {early} already imported; import low_bits_training.titan (it "
+            "points torchtitan at the CPU: titan/platform/stand.py) before any torchtitan module"
         )
     import torchtitan.tools.utils as tt_utils
 

@@ -32,7 +32,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchtitan.tools.logging import logger
+
 from low_bits_training.config.comm import wire_spec
+from low_bits_training.titan.targets.expert_modules import TitanQuantGroupedExperts
 
 GRAPHS_OFF = "CUDA graphs off"
 """How the one log line starts."""
@@ -68,8 +71,6 @@ def graph_blockers(config: Any) -> list[str]:
 
 
 def _emulated_experts(config: Any) -> bool:
-    from low_bits_training.titan.targets.expert_modules import TitanQuantGroupedExperts
-
     model = config.model_spec.model
     return any(True for _ in model.traverse(TitanQuantGroupedExperts.Config))
 
@@ -103,8 +104,6 @@ def graphs_off_before_check(config: Any, on_cpu: bool) -> str | None:
 
 
 def _turn_off(config: Any, reasons: list[str]) -> str:
-    from torchtitan.tools.logging import logger
-
     config.training.disable_cuda_graphs = True
     line = f"{GRAPHS_OFF}: {'; '.join(reasons)}"
     logger.info(line)

@@ -31,11 +31,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from torchtitan.models.common.moe import GroupedExperts, MoE
+from torchtitan.tools.logging import logger
 
 from low_bits_training.errors import ConfigError
 from low_bits_training.nn import LinearPlan
 from low_bits_training.nn.grouped import pad_multiple
+from low_bits_training.nn.recipes import recipe_specs
 from low_bits_training.nn.torchao_recipes import TorchaoGroupedRecipe, torchao_grouped_recipe
+from low_bits_training.plan.options import grouped_specs
 from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.titan.platform.compat import config_owner, grouped_experts_class
 from low_bits_training.titan.targets.expert_modules import (
@@ -208,11 +211,6 @@ def _check_parallelism(fqn: str, parallelism) -> None:
 
 def _convert(config, run) -> None:
     """``convert_experts``, and one log line where the recipe's options were left out for the experts."""
-    from torchtitan.tools.logging import logger
-
-    from low_bits_training.nn.recipes import recipe_specs
-    from low_bits_training.plan.options import grouped_specs
-
     phases = [p.plans for p in run.schedule.all()]
     convert_experts(config.model_spec.model, run.plans, config.parallelism, phases)
     specs = recipe_specs(config.quantize.recipe)

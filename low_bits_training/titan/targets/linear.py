@@ -28,6 +28,12 @@ from low_bits_training.plan.backends import torchao_kernel_refusal, torchao_shap
 from low_bits_training.plan.resolve import LayerShape
 from low_bits_training.titan.platform.compat import torchao_config_of
 from low_bits_training.titan.targets.kind import TargetKind, TitanQuantState
+from low_bits_training.titan.targets.torchao_backend import (
+    TORCHAO_CONFIGS,
+    float8_label,
+    install_fsdp_scale_precompute,
+    layer_config,
+)
 
 
 class TitanQuantLinear(WhatIfLinear, TitanQuantState):
@@ -74,7 +80,6 @@ class PrecisionPlanConverter(QuantizationConverter):
 
     def _layer_config(self, cfg, plan: LinearPlan):
         if plan.backends[0].startswith("torchao"):
-            from low_bits_training.titan.targets.torchao_backend import layer_config
 
             return layer_config(cfg, plan, self.config.torchao)
         return TitanQuantLinear.Config(
@@ -102,7 +107,6 @@ class PrecisionPlanConverter(QuantizationConverter):
 
 
 def _ours() -> tuple[type, ...]:
-    from low_bits_training.titan.targets.torchao_backend import TORCHAO_CONFIGS
 
     return (Linear.Config, TitanQuantLinear.Config, *TORCHAO_CONFIGS)
 
@@ -147,7 +151,6 @@ def module_label(cfg) -> str:
         ao = torchao_config_of(cfg)
         if ao is None:
             return f"torchtitan {name}"
-        from low_bits_training.titan.targets.torchao_backend import float8_label
 
         return f"torchtitan {name} ({float8_label(ao)}{', emulate' if ao.emulate else ''})"
     return name
@@ -190,7 +193,6 @@ def convert_linears(config, plans: dict[str, LinearPlan], keep: set[str]) -> Non
     converter = PrecisionPlanConverter.Config(plans=mine, torchao=config.quantize.torchao, keep=sorted(keep))
     config.model_spec.model = converter.build().convert(config.model_spec.model)
     if any(p.backends[0].startswith("torchao") for p in mine.values()):
-        from low_bits_training.titan.targets.torchao_backend import install_fsdp_scale_precompute
 
         install_fsdp_scale_precompute(config)
 

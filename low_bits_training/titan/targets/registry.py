@@ -30,6 +30,7 @@ from low_bits_training.plan.whatif import resolve_whatif
 from low_bits_training.run.folder import GEMM_SIZES_JSON, PLAN_JSON, PLAN_TEXT, SCHEDULE_JSON, write_atomic
 from low_bits_training.titan.targets import attention, experts, linear, saved, wire
 from low_bits_training.titan.targets.kind import TargetKind
+from low_bits_training.titan.targets.schedule import phase_title
 
 TARGETS: tuple[TargetKind, ...] = (wire.KIND, linear.KIND, experts.KIND, attention.KIND, saved.KIND)
 """Every kind of plan target, in the order ``apply_run`` converts them."""
@@ -171,7 +172,6 @@ def plan_text(
     Args:
         quantize: the run's ``[quantize]`` section (its ``backend`` and ``torchao`` options).
     """
-    from low_bits_training.titan.targets.schedule import phase_title
 
     def table(p: dict[str, LinearPlan]) -> str:
         why = fallbacks(p, run.shapes, run.hardware, quantize.backend, quantize.torchao)

@@ -19,6 +19,7 @@ from low_bits_training.config.comm import CommConfig, wire_spec
 from low_bits_training.errors import ConfigError
 from low_bits_training.formats import QuantSpec
 from low_bits_training.nn.state import clean_fqn
+from low_bits_training.nn.torchao_recipes import torchao_recipe
 from low_bits_training.titan.platform.compat import fsdp_param_groups, fsdp_sharded_local
 from low_bits_training.titan.targets.collectives import CountingAllGather, WireAllGather, WireReduceScatter
 from low_bits_training.titan.targets.kind import TargetKind
@@ -137,7 +138,6 @@ def _is_torchao_fp8(spec: QuantSpec | None) -> bool:
 
 
 def _all_float8_tensorwise(plans: dict) -> bool:
-    from low_bits_training.nn.torchao_recipes import torchao_recipe
 
     recipes = [torchao_recipe(p) for p in plans.values() if p.backends[0].startswith("torchao")]
     weights = [r.float8_casts[1][1] for r in recipes if r is not None and r.module == "Float8Linear"]

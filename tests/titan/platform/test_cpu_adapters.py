@@ -39,11 +39,22 @@ def test_device_adapter_reaches_the_modules_that_copy_device_type():
 
 
 def test_device_adapter_refuses_to_apply_too_late():
+    # Importing titan puts the adapter in (titan/platform/stand.py); after a torchtitan module that copied
+    # device_type = "cuda", that import is refused with the module's name rather than train on a wrong device.
     code = (
-        "import torchtitan.components.metrics\nfrom low_bits_training.titan.platform import cpu\n"
-        "try:\n    cpu.install_device_module()\nexcept RuntimeError as e:\n    print('refused', 'metrics' in str(e))"
+        "import torchtitan.components.metrics\n"
+        "try:\n    import low_bits_training.titan.launch.worker\nexcept RuntimeError as e:\n"
+        "    print('refused', 'metrics' in str(e))"
     )
     assert _py(code) == "refused True"
+
+
+def test_importing_titan_points_torchtitan_at_the_cpu_before_its_first_module():
+    code = (
+        "import sys\nimport low_bits_training.titan.platform.devices\n"
+        "import torchtitan.components.metrics as m\nprint(m.device_type, 'torchtitan.trainer' in sys.modules)"
+    )
+    assert _py(code) == "cpu False"
 
 
 def _qkv(B=2, L=64, N=4, H=16, seed=0):

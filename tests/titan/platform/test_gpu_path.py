@@ -148,7 +148,7 @@ def test_a_rank_started_without_the_launcher_is_refused_too(monkeypatch, capsys)
     from low_bits_training.titan.launch import worker
 
     monkeypatch.setattr(devices, "nvidia_driver", lambda: DRIVER)
-    monkeypatch.setattr("torchtitan.tools.logging.init_logger", lambda: None)  # no handler on capsys's stderr
+    monkeypatch.setattr(worker, "init_logger", lambda: None)  # no handler on capsys's stderr
     monkeypatch.delenv(devices.ALLOW_CPU_RANKS, raising=False)
     monkeypatch.delenv(worker.UNDER_LAUNCHER, raising=False)
     assert worker.main(["--config-file", str(DEBUG_TOML), "--training.stepz", "1"]) == 2
