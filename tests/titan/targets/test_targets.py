@@ -9,11 +9,14 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import REPO, train, write_toml
+from low_bits_training.nn.hardware import Hardware
+from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.titan.targets import attention, experts, linear, registry, saved, wire
 
 PRESETS = sorted(
@@ -71,6 +74,50 @@ def test_the_plan_and_what_if_are_resolved_in_one_place():
         "resolve_whatif": ["titan/targets/registry.py"],
         "resolve_schedule": ["titan/targets/registry.py"],
     }
+
+
+def recipe_path(config, run) -> list[str]:
+    """The package files, in call order (consecutive calls in one file counted once), of every call that gets
+    the run's ``[quantize]`` section or its recipe name as an argument while ``run(config)`` resolves it."""
+    q, package = config.quantize, str(REPO / "low_bits_training") + "/"
+    stays: list[str] = []
+
+    def profile(frame, event, _arg):
+        code = frame.f_code
+        if event != "call" or not (code.co_filename or "").startswith(package):
+            return
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if any(frame.f_locals.get(n) is q or frame.f_locals.get(n) == q.recipe for n in names):
+            rel = code.co_filename[len(package) :]
+            if not stays or stays[-1] != rel:
+                stays.append(rel)
+
+    sys.setprofile(profile)
+    try:
+        run(config)
+    finally:
+        sys.setprofile(None)
+    return stays
+
+
+def test_the_recipe_is_resolved_along_five_files_without_going_back():
+    # Issue 41: following quantize.recipe from the resolver entered 13 files with 19 returns to a file already
+    # left; now the registry hands it to the schedule, the schedule to the plan resolver, that to the one
+    # recipe table; the saved-activation rules read their own section. Each file is entered once.
+    config = _load(REPO / "train_configs" / "debug_model.toml", "--quantize.recipe", "mxfp8")
+    stays = recipe_path(config, lambda c: registry.resolve_run(c, Hardware()))
+    assert stays == ["plan/schedule.py", "plan/resolve.py", "nn/recipes.py", "titan/targets/saved.py"]
+    assert len(set(stays)) + 1 <= 5  # and the registry itself
+
+
+def test_the_recipe_path_counts_a_return_to_a_file_already_left():
+    config = _load(REPO / "train_configs" / "debug_model.toml", "--quantize.recipe", "mxfp8")
+
+    def back_and_forth(c):
+        resolve_plan(c.quantize, {"lm_head": LayerShape(256, 512, 128)})
+        resolve_plan(c.quantize, {"lm_head": LayerShape(256, 512, 128)})
+
+    assert recipe_path(config, back_and_forth) == ["plan/resolve.py", "nn/recipes.py"] * 2
 
 
 def test_entries_of_the_moe_model_by_kind_and_the_router_stays_high():
