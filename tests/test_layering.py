@@ -251,8 +251,6 @@ An entry here names its file and module and says why it cannot go to the top (11
 LONG_FILES = {
     "titan/platform/compat.py": "the one guard of every private torch / torchtitan / torchao name we touch, "
     "each shim beside its digest check: one file by design (DESIGN, 'One guard')",
-    "titan/launch/launcher.py": "the launcher's exit path imports neither torch nor torchtitan: its deferred "
-    "imports and torchrun's entry points are kept in one place (split next: issue 41's note)",
 }
 """Package files over the house's 300 lines, each with why (house style 9)."""
 

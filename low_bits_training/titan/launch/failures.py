@@ -1,4 +1,4 @@
-"""What the console gets when a rank fails (the launcher's ``run_torchrun``): a run that ended on purpose is its
+"""What the console gets when a rank fails (``torchrun.run_torchrun``): a run that ended on purpose is its
 rank's one line and exit code (``chosen_failure``); a crash is the crashed rank's exception, with its traceback
 where ``LOG_RANK`` hides that rank's own output (``crash_report``), so the last line never points at output
 that is not there.

@@ -10,7 +10,7 @@ import pytest
 from helpers import DEBUG_TOML, train, write_toml
 from low_bits_training.config.flags import tyro_message
 from low_bits_training.errors import ConfigError
-from low_bits_training.titan.launch import launcher
+from low_bits_training.titan.launch import failures, launcher, torchrun
 from low_bits_training.titan.launch.configure import load_config, read_toml
 
 
@@ -20,9 +20,9 @@ def test_torchrun_options_and_training_arguments():
         ["--a", "1"],
     )
     assert launcher.split_argv(["--a", "1"]) == ([], ["--a", "1"])
-    args = launcher.torchrun_args(["--nnodes=2", "--nproc_per_node=4"], ["--training.steps", "3"])
-    assert launcher.world_size(args) == 8
-    assert args.training_script == launcher.WORKER and args.training_script_args == ["--training.steps", "3"]
+    args = torchrun.torchrun_args(["--nnodes=2", "--nproc_per_node=4"], ["--training.steps", "3"])
+    assert torchrun.world_size(args) == 8
+    assert args.training_script == torchrun.WORKER and args.training_script_args == ["--training.steps", "3"]
 
 
 def _failure(code, message="x"):
@@ -30,9 +30,9 @@ def _failure(code, message="x"):
 
 
 def test_the_reported_failure_is_rank_0s_known_one_else_the_lowest_known():
-    assert launcher.chosen_failure({0: _failure(3, "stopped"), 1: _failure(-15)}) == (3, "stopped")
-    assert launcher.chosen_failure({0: _failure(-15), 1: _failure(4, "ck")}) == (4, "ck")
-    assert launcher.chosen_failure({0: _failure(1), 1: _failure(-15)}) is None  # a crash: its traceback
+    assert failures.chosen_failure({0: _failure(3, "stopped"), 1: _failure(-15)}) == (3, "stopped")
+    assert failures.chosen_failure({0: _failure(-15), 1: _failure(4, "ck")}) == (4, "ck")
+    assert failures.chosen_failure({0: _failure(1), 1: _failure(-15)}) is None  # a crash: its traceback
 
 
 def test_tyro_errors_become_one_line_naming_the_flag(tmp_path):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from low_bits_training.titan.launch import launcher
+from low_bits_training.titan.launch import launcher, torchrun
 
 
 def _config(pp: int = 1, schedule: str = "1F1B", steps: int = 60):
@@ -34,8 +34,8 @@ def test_the_console_shows_the_rank_with_the_loss(monkeypatch, nproc, pp, schedu
     monkeypatch.delenv("LOG_RANK")
     if log_rank is not None:
         monkeypatch.setenv("LOG_RANK", log_rank)
-    args = launcher.torchrun_args([f"--nproc_per_node={nproc}", "--local-ranks-filter", log_rank or "0"], [])
-    line = launcher.show_the_loss(args, _config(pp, schedule), nproc)
+    args = torchrun.torchrun_args([f"--nproc_per_node={nproc}", "--local-ranks-filter", log_rank or "0"], [])
+    line = torchrun.show_the_loss(args, _config(pp, schedule), nproc)
     assert args.local_ranks_filter == shown
     assert (line is None) == (shown == (log_rank or "0"))
     if line is not None:
