@@ -90,16 +90,23 @@ class LowBitOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter with a gradient (closures are not supported)."""
+        """One update of every parameter with a gradient.
+
+        Args:
+            closure: as torch's optimizers take it: called first, with gradients enabled, to recompute the
+                loss (and the gradients it backpropagates); its return value is returned.
+        """
+        loss = None
         if closure is not None:
-            raise ValueError("closures are not supported")
+            with torch.enable_grad():
+                loss = closure()
         for gi, group in enumerate(self.param_groups):
             opts = self.options(group)
             names = group.get("param_names") or [f"{gi}.{i}" for i in range(len(group["params"]))]
             for p, fqn in zip(group["params"], names, strict=True):
                 if p.grad is not None:
                     self._update(p, fqn, group, opts)
-        return None
+        return loss
 
     def _update(self, p: torch.Tensor, fqn: str, group: dict[str, Any], opts) -> None:
         lay, state = self.layout(p, opts), self.state[p]

@@ -127,3 +127,36 @@ def test_chunks_give_the_same_states_and_weights():
         assert torch.equal(a, b)
         for k, v in o_big.state[a].items():
             assert torch.equal(o_small.state[b][k], v), k
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_closure_is_called_with_gradients_on_and_its_loss_returned_as_torch_does(name):
+    # torch.optim.Optimizer.step(closure): the closure runs under enable_grad (step itself is no_grad), may
+    # recompute the gradients, and step returns its loss. Ours: the same loss and weights as torch's own.
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
+
+    def stepped(make, ps):
+        opt = make(ps)
+
+        def closure():
+            opt.zero_grad()
+            loss = sum(((x @ p.T) ** 2).mean() if p.dim() == 2 else (p**2).sum() for p in ps[:1] + ps[2:])
+            loss.backward()
+            return loss
+
+        return [float(opt.step(closure)) for _ in range(3)]
+
+    if name == "adamw":
+        ref, ps = params(), params()
+        ours = stepped(lambda q: adamw(q, exp_avg="fp32", exp_avg_sq="fp32"), ps)
+        theirs = stepped(
+            lambda q: torch.optim.AdamW(q, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False), ref
+        )
+    else:
+        ref, ps = params(), params()
+        kw = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01}
+        ours = stepped(lambda q: LowBitSGD(q, momentum_buffer="fp32", fused=False, **kw), ps)
+        theirs = stepped(lambda q: torch.optim.SGD(q, foreach=False, **kw), ref)
+    assert ours == pytest.approx(theirs, rel=1e-6) and ours[0] > ours[-1]
+    for a, b in zip(ps, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=ULPS_OF_ONE)
