@@ -18,8 +18,9 @@ from low_bits_training.numerics import NonFinite
 from low_bits_training.plan.ladder import parse_ladder, promote
 from low_bits_training.plan.resolve import LayerShape, resolve_plan
 from low_bits_training.plan.schedule import resolve_schedule
-from low_bits_training.titan.runtime.autopilot import Autopilot, Replayable
+from low_bits_training.titan.runtime.autopilot import Autopilot
 from low_bits_training.titan.runtime.autopilot.decisions import robust_z
+from low_bits_training.titan.runtime.autopilot.replay import Replayable
 from low_bits_training.titan.runtime.autopilot.snapshot import Snapshot, Snapshots
 from low_bits_training.titan.targets.schedule import PrecisionSchedule
 

@@ -17,7 +17,7 @@ from low_bits_training.nn import saved as nn_saved
 from low_bits_training.run.secrets import redact
 from low_bits_training.titan.platform.ranks import rank
 from low_bits_training.titan.runtime import budget
-from low_bits_training.titan.runtime.autopilot import RedoStep, Replayable, restore
+from low_bits_training.titan.runtime.autopilot import run_step
 from low_bits_training.titan.runtime.manifest import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
 from low_bits_training.titan.targets.collectives import log_comm_bytes
@@ -80,60 +80,32 @@ class LowBitsTrainer(Trainer):
         rank) (nn/rng.py). A resumed run then draws the same numbers as an uninterrupted one, with no RNG
         state to checkpoint, compiled or eager.
 
-        With the autopilot's spike trigger (``[quantize.autopilot] spike_z``) a host snapshot is taken when
-        due, and a spike rolls the state back to one: the steps after it run again here, with the batches
-        they drew the first time (titan/runtime/autopilot/snapshot.py), before torchtitan's loop goes on.
+        With ``[quantize.autopilot]`` the autopilot's step hook runs the step (``autopilot.run_step``): a
+        step whose attempt promoted a role runs again with the same batches, and a spike rolls the state
+        back to a host snapshot, the steps after it run again with the batches they drew the first time,
+        before torchtitan's loop goes on.
         """
-        pilot = extras_for(self).autopilot
-        end, first = self.step, not self.__dict__.get("_lbt_stepped", False)
-        self._lbt_stepped = True
-        source = data_iterator
-        while True:
-            if pilot is not None:
-                pilot.before_step(self, self.step, first)
-            batches = self._lbt_one_step(source)
-            first = False
-            if pilot is None:
-                break
-            if pilot.snapshots is not None:
-                pilot.snapshots.record(self.step, batches)
-            back = pilot.after_step(self, self.step, getattr(self.metrics_processor, "last_logged", None))
-            if back is not None:
-                restore(self, back)  # self.step = back.step
-            if self.step == end:
-                break
-            self.step += 1
-            source = self._lbt_replay(pilot.snapshots.batches[self.step])
+        run_step(extras_for(self).autopilot, self, data_iterator, self._lbt_attempt, self._lbt_dropped)
 
-    def _lbt_replay(self, batches: list):
-        """The batches a step drew the first time, again (loading them took no time: torchtitan's metrics
-        average the loading times of the step's batches)."""
-        for batch in batches:
-            self.metrics_processor.data_loading_times.append(0.0)
-            yield batch
-
-    def _lbt_one_step(self, data_iterator) -> list:
-        """One step (run again after an autopilot promotion on a non-finite value); returns its batches."""
-        batches = Replayable(data_iterator)
-        while True:
-            torch.manual_seed(step_seed(self._rng_base_seed, self.step))
-            self._microbatch = 0
-            self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
-            try:
-                with extras_for(self).step(self.step), allocator_meter(self):
-                    super().train_step(batches)
-                break
-            except RedoStep:  # [quantize.autopilot] promoted a role: the step again, same batches
-                batches.rewind()
-                nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
-                zero_expert_counts(self.model_parts)  # nor what it routed (MoE load balancing)
+    def _lbt_attempt(self, batches) -> None:
+        """torchtitan's step at ``self.step`` once on ``batches``, then this step's byte logs (not reached
+        when the autopilot drops the attempt: ``RedoStep`` goes through)."""
+        torch.manual_seed(step_seed(self._rng_base_seed, self.step))
+        self._microbatch = 0
+        self._lbt_schedule.begin_step(self.step)  # the plan of this step's phase
+        with extras_for(self).step(self.step), allocator_meter(self):
+            super().train_step(batches)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/targets/collectives.py)
         # [[quantize.saved]] bytes kept for the backward (titan/targets/saved.py), by the allocator on one step
         per_token = log_saved_bytes(self)
         if per_token is None or "allocator" in per_token:
             # bytes per parameter of each state, once (titan/runtime/budget.py)
             budget.report(self, per_token)
-        return batches.seen
+
+    def _lbt_dropped(self) -> None:
+        """Forget what an attempt the autopilot dropped left behind, before the step runs again."""
+        nn_saved.take_bytes()  # what the dropped attempt saved is not this step's
+        zero_expert_counts(self.model_parts)  # nor what it routed (MoE load balancing)
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's microbatch (with its own SR key), then the NaN checks of loss, gradients and GEMM

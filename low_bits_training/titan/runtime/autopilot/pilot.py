@@ -2,16 +2,16 @@
 
 This folder holds all of it: the decisions (``decisions``), the triggers and moves (``pilot``: non-finite
 values and statistics; ``spikes``: loss / gradient-norm spikes, rolled back to host snapshots from
-``snapshot``), and the step run again (``replay``).
+``snapshot``), the step run again (``replay``) and the step hook the trainer calls (``hook``).
 
 Two ways in (``config/autopilot.py`` has the section, ``plan/ladder.py`` the ladder):
 
 - ``on_nonfinite``: the numerics monitor named the first NaN / Inf of a microbatch (the same on every
   rank). When it is a GEMM's product of a quantized linear layer, expert weight or attention product, the
   quantized operands of that GEMM that can overflow (those without saturation; else all of them) go one
-  rung up, and ``RedoStep`` is raised: the
-  trainer runs the step again from its start with the same batches (no gradient was applied; every random
-  stream derives from the step), so the run goes on as if the promoted plan had been there from this step.
+  rung up, and ``redo_if_promoted`` raises ``RedoStep``: the step hook runs the step again from its start
+  with the same batches (no gradient was applied; every random stream derives from the step), so the run
+  goes on as if the promoted plan had been there from this step.
 - ``on_stats``: a statistics step's table (reduced over ranks) has a role over a threshold; it goes one
   rung up from the next step.
 
@@ -47,6 +47,7 @@ from low_bits_training.titan.runtime.autopilot.decisions import (
     Decision,
     label,
 )
+from low_bits_training.titan.runtime.autopilot.replay import RedoStep
 from low_bits_training.titan.runtime.autopilot.snapshot import Snapshots
 from low_bits_training.titan.runtime.autopilot.spikes import SpikeTrigger
 from low_bits_training.titan.targets.registry import TARGETS
@@ -63,6 +64,7 @@ class Autopilot(SpikeTrigger):
         self.decisions: list[Decision] = []
         self.redos, self._step = 0, 0
         self._started = False
+        self.stepped = False  # the step hook ran a step in this process (its first takes a snapshot)
         self._new = 0  # promotions not yet in the metrics
         self.rollbacks, self._new_rollbacks, self._new_demotions = 0, 0, 0
         self._rolled: dict[int, int] = {}  # step that spiked -> rollbacks it caused
@@ -204,6 +206,11 @@ class Autopilot(SpikeTrigger):
         if promoted:
             self.redos += 1
         return bool(promoted)
+
+    def redo_if_promoted(self, event: NonFinite) -> None:
+        """``on_nonfinite``, raising ``RedoStep`` when it promoted: the step hook runs the step again."""
+        if self.on_nonfinite(event):
+            raise RedoStep(event.message())
 
     def on_stats(self, step: int, table: list[dict]) -> None:
         """Promote each role of a statistics step's table whose figure passes its threshold."""

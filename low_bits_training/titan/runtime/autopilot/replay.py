@@ -1,6 +1,5 @@
 """Running a step again: ``RedoStep`` (raised from a microbatch after a promotion on a non-finite value) and
-``Replayable`` (the batches of that step, handed out again). The trainer's step loop uses both
-(``titan/runtime/trainer.py``)."""
+``Replayable`` (the batches of that step, handed out again). The step hook uses both (``hook.run_step``)."""
 
 from __future__ import annotations
 

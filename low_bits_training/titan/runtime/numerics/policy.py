@@ -11,7 +11,8 @@ from torchtitan.tools.logging import logger
 
 from low_bits_training.numerics import NonFinite
 from low_bits_training.run.exits import NonFiniteError
-from low_bits_training.titan.runtime.autopilot import Autopilot, RedoStep
+from low_bits_training.titan.runtime.autopilot import Autopilot
+from low_bits_training.titan.runtime.profiling import step_context
 from low_bits_training.titan.targets.registry import run_of
 
 from .monitor import NumericsMonitor, layer_probes_work
@@ -54,8 +55,6 @@ class TrainerExtras:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Around one training step: probes on/off, then reduce + log the statistics; the profiling extras."""
-        from low_bits_training.titan.runtime.profiling import step_context
-
         if self.autopilot is not None:
             self.autopilot.begin_step(step)
         self.monitor.begin_step(step)
@@ -75,8 +74,8 @@ class TrainerExtras:
         if event is None:
             return loss
         warn(event)
-        if self.autopilot is not None and self.autopilot.on_nonfinite(event):
-            raise RedoStep(event.message())
+        if self.autopilot is not None:  # a promotion raises: the autopilot's step hook runs the step again
+            self.autopilot.redo_if_promoted(event)
         if self.cfg.nonfinite == "stop":
             self._stop(event)
         if self.cfg.nonfinite == "skip":
