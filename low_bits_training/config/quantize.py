@@ -17,6 +17,7 @@ from low_bits_training.formats.spec import (
     FourOverSix,
     InfAmax,
     QuantSpec,
+    RhtSigns,
     RoundingMode,
     ScaleFormat,
     ScaleMin,
@@ -125,6 +126,9 @@ class QuantRule(Section):
     both operands of a GEMM, e.g. roles = ["wgrad.*"])."""
     rht_seed: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.rht_seed: seed of the RHT's sign vector."""
+    rht_signs: RhtSigns | None = None
+    """QuantSpec.rht_signs: seeded (from rht_seed) | te (Transformer Engine's fixed 16-long NVFP4 vector;
+    needs rht = 16). Set it on both operands of the GEMM, as rht."""
     source: Source | None = None
     """QuantSpec.source: high | forward (dgrad.weight / wgrad.input cast from the forward GEMM's cast)."""
 

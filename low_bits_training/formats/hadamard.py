@@ -33,18 +33,38 @@ def check_size(size: int) -> None:
         raise ValueError(f"RHT size {size!r} must be a power of two >= 2")
 
 
+NAMED_SIGNS: dict[str, tuple[int, ...]] = {
+    "te": (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1),
+}
+"""Fixed sign vectors by name (``QuantSpec.rht_signs``): "te" is the one Transformer Engine's NVFP4 recipe
+applies to its 16-point wgrad RHT (its value as read from TE's source, issue 38). With it, our RHT matrix
+equals TE's and torchao's ``get_rht_matrix`` given the same vector (tests/formats/test_hadamard.py)."""
+
+
 @torch.compiler.assume_constant_result  # a traced graph takes the tuple as a constant (hashlib is not traceable)
-def sign_vector(size: int, seed: int = 0) -> tuple[int, ...]:
-    """The RHT's random signs: ``size`` values +-1, a pure function of (size, seed) (every rank, every run).
+def sign_vector(size: int, seed: int = 0, signs: str = "seeded") -> tuple[int, ...]:
+    """The RHT's signs: ``size`` values +-1, a pure function of (size, seed) (every rank, every run), or a
+    fixed vector by name.
 
     Args:
         size: the block size (a power of two).
-        seed: any int.
+        seed: any int ("seeded" only).
+        signs: "seeded" (drawn from (size, seed)) or a key of ``NAMED_SIGNS`` (its length must be ``size``).
 
     Returns:
         A tuple of +1 / -1 ints.
     """
-    return _sign_vector(size, seed)
+    if signs == "seeded":
+        return _sign_vector(size, seed)
+    named = NAMED_SIGNS[signs]
+    if len(named) != size:
+        raise ValueError(f"RHT signs {signs!r} are {len(named)} long; the RHT size is {size}")
+    return named
+
+
+def operand_signs(spec) -> tuple[int, ...]:
+    """The sign vector of a ``QuantSpec`` whose ``rht`` is on (its ``rht``, ``rht_seed``, ``rht_signs``)."""
+    return sign_vector(spec.rht, spec.rht_seed, spec.rht_signs)
 
 
 @functools.lru_cache(maxsize=64)

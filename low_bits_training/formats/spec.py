@@ -16,6 +16,7 @@ InfAmax = Literal["keep", "nan"]
 FourOverSix = Literal["off", "mse", "mae"]
 AmaxCompute = Literal["max", "most_recent"]
 Source = Literal["high", "forward"]
+RhtSigns = Literal["seeded", "te"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 HIGH = "high"
@@ -89,6 +90,10 @@ class QuantSpec:
     of a GEMM so that it cancels in the product. ``fake_quantize`` does not apply it (``formats.hadamard``)."""
     rht_seed: int = 0
     """Seed of the RHT's random sign vector (``formats.hadamard.sign_vector``): the same on every rank."""
+    rht_signs: RhtSigns = "seeded"
+    """The RHT's sign vector: "seeded" (drawn from ``rht_seed``) or a fixed vector by name
+    (``formats.hadamard.NAMED_SIGNS``): "te", Transformer Engine's 16-long NVFP4 wgrad vector (needs
+    ``rht = 16``)."""
     source: Source = "high"
     """What a backward GEMM operand is cast from (``nn``): "high" (the high-precision tensor) or "forward"
     (the forward GEMM's cast of the same tensor, cast again: dgrad.weight and wgrad.input only)."""
@@ -125,6 +130,10 @@ class QuantSpec:
                 raise ValueError(f"QuantSpec.{name}={v!r} must be an int in [0, {top}]")
         if self.rht and (self.rht < 2 or self.rht & (self.rht - 1)):
             raise ValueError(f"QuantSpec.rht={self.rht} must be 0 (off) or a power of two >= 2")
+        if self.rht and self.rht_signs == "te" and self.rht != 16:
+            raise ValueError(
+                f"QuantSpec.rht_signs='te' is a 16-long vector; it needs rht = 16, got {self.rht}"
+            )
         if self.amax_history and self.scaling != "tensor":
             raise ValueError(
                 f"QuantSpec.amax_history={self.amax_history} (delayed scaling) needs scaling 'tensor', "
@@ -161,7 +170,10 @@ class QuantSpec:
             extra += f",delayed{self.amax_history}{self.amax_compute}" if self.amax_history else ""
             where += f"({self.scale_format},{self.scale_rounding}{extra})"
         sat = "" if self.saturate else "/nosat"
-        pre = f"rht{self.rht}" + (f"s{self.rht_seed}" if self.rht_seed else "") + ":" if self.rht else ""
+        signs = (
+            self.rht_signs if self.rht_signs != "seeded" else (f"s{self.rht_seed}" if self.rht_seed else "")
+        )
+        pre = f"rht{self.rht}{signs}:" if self.rht else ""
         pre = ("fwd:" if self.source == "forward" else "") + pre
         return f"{pre}{self.elem.name}/{where}/{_ROUNDING_LABEL[self.rounding]}{sat}"
 

@@ -92,3 +92,32 @@ def test_size_errors():
         sign_vector(12)
     with pytest.raises(ValueError, match="RHT size 16 does not divide dim 0 of size 24"):
         rht(torch.zeros(24, 16), sign_vector(16), 0)
+
+
+def test_te_signs_are_transformer_engines_vector_and_differ_from_our_seeded_one():
+    # issue 38: TE's NVFP4 wgrad RHT uses a fixed vector; ours (seed 0) differs in 7 of 16 signs and 112 of the
+    # 256 matrix entries. With TE's vector our matrix is torchao's get_rht_matrix of that vector, entry for entry.
+    from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
+
+    te = sign_vector(16, 0, "te")
+    assert te == (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+    seeded = sign_vector(16, 0)
+    assert seeded == (1, -1, -1, 1, 1, -1, -1, 1, -1, 1, 1, 1, -1, 1, -1, 1)
+    assert sum(a != b for a, b in zip(te, seeded, strict=True)) == 7
+    eye = torch.eye(16, dtype=torch.float64)
+    ours_te, ours_seeded = rht_reference(eye, te), rht_reference(eye, seeded)  # rows: the matrix diag(s) H / 4
+    assert torch.equal(ours_te, get_rht_matrix(te, "cpu", torch.float64, 16))
+    assert int((ours_te != ours_seeded).sum()) == 112
+
+
+def test_named_signs_need_their_length_and_reach_the_gemm_through_the_spec():
+    from low_bits_training.formats import QuantSpec
+
+    with pytest.raises(ValueError, match="rht_signs='te' is a 16-long vector; it needs rht = 16, got 32"):
+        QuantSpec.nvfp4(rht=32, rht_signs="te")
+    with pytest.raises(ValueError, match="RHT signs 'te' are 16 long; the RHT size is 32"):
+        sign_vector(32, 0, "te")
+    spec = QuantSpec.nvfp4(rht=16, rht_signs="te", rht_seed=9)  # a named vector ignores the seed
+    assert hadamard.operand_signs(spec) == hadamard.NAMED_SIGNS["te"]
+    assert spec.short().startswith("rht16te:")
+    assert QuantSpec.nvfp4(rht=16, rht_seed=9).short().startswith("rht16s9:")
