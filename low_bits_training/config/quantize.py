@@ -19,6 +19,7 @@ from low_bits_training.formats.spec import (
     QuantSpec,
     RhtSigns,
     RoundingMode,
+    ScaleApply,
     ScaleFormat,
     ScaleMin,
     ScaleRounding,
@@ -117,6 +118,9 @@ class QuantRule(Section):
     """QuantSpec.inf_amax: keep | nan (a group with an infinite amax; "nan" is torchao's fp8 behaviour)."""
     four_over_six: FourOverSix | None = None
     """QuantSpec.four_over_six: off | mse | mae (NVFP4 4over6 adaptive block scaling; e2m1 blocks/tiles)."""
+    scale_apply: ScaleApply | None = None
+    """QuantSpec.scale_apply: divide (x / scale) | reciprocal (x * fl(1 / scale), as Transformer Engine's
+    quantizers: exact grid midpoints may round the other way)."""
     amax_history: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
     amax_compute: AmaxCompute | None = None

@@ -23,6 +23,7 @@ from .scaling import (
     group_amax,
     group_scales,
     grouped_shape,
+    in_scale_units,
     scale_from_amax,
 )
 from .spec import HIGH, SCALE_FORMATS, QuantSpec
@@ -55,6 +56,7 @@ __all__ = [
     "get_format",
     "group_amax",
     "group_scales",
+    "in_scale_units",
     "grouped_shape",
     "has_outer_scale",
     "pack",

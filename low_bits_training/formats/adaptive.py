@@ -31,7 +31,9 @@ TENSOR_SCALE_MAX = 256.0
 """The scale-format max the two-level tensor scale uses under 4over6 (448 otherwise, for ue4m3)."""
 
 
-def group_error(xg: torch.Tensor, scale: torch.Tensor, dims: tuple[int, ...], criterion: str) -> torch.Tensor:
+def group_error(
+    xg: torch.Tensor, scale: torch.Tensor, dims: tuple[int, ...], criterion: str, reciprocal: bool = False
+) -> torch.Tensor:
     """Per-group error of round-to-nearest e2m1 under ``scale`` (float64, keepdim over ``dims``).
 
     Args:
@@ -39,8 +41,9 @@ def group_error(xg: torch.Tensor, scale: torch.Tensor, dims: tuple[int, ...], cr
         scale: effective dequant scale per group (block scale * tensor scale), broadcastable to ``xg``.
         dims: the group dims.
         criterion: "mse" (sum of squares) or "mae" (sum of magnitudes).
+        reciprocal: the values meet the scale as ``xg * fl(1 / scale)`` (``QuantSpec.scale_apply``).
     """
-    q = round_to(xg / scale, "e2m1", "nearest", saturate=True) * scale
+    q = round_to(xg * (1.0 / scale) if reciprocal else xg / scale, "e2m1", "nearest", saturate=True) * scale
     d = (q - xg).to(torch.float64)
     d = d.square() if criterion == "mse" else d.abs()
     return d.sum(dim=dims, keepdim=True)
@@ -52,6 +55,7 @@ def choose(
     tensor_scale: torch.Tensor | None,
     dims: tuple[int, ...],
     criterion: str,
+    reciprocal: bool = False,
 ) -> torch.Tensor:
     """The block scale of each group: the candidate (amax -> 6, amax -> 4) with the smaller error.
 
@@ -61,12 +65,13 @@ def choose(
         tensor_scale: the two-level fp32 tensor scale, or None.
         dims: the group dims.
         criterion: "mse" | "mae".
+        reciprocal: as ``group_error``.
 
     Returns:
         The chosen block scale per group (candidate 6 on ties and where an error is NaN).
     """
     ts = 1.0 if tensor_scale is None else tensor_scale
-    e6, e4 = (group_error(xg, c * ts, dims, criterion) for c in candidates)
+    e6, e4 = (group_error(xg, c * ts, dims, criterion, reciprocal) for c in candidates)
     return torch.where(e4 < e6, candidates[1], candidates[0])
 
 

@@ -152,9 +152,9 @@ class GroupScales(NamedTuple):
     tensor_scale: torch.Tensor | None
     """The fp32 per-tensor scale of two-level scaling, else None."""
     inverse: torch.Tensor | None = None
-    """``1 / scale`` where that is exact (power-of-two scales down to 2**-127: MX), else None. ``x * inverse``
-    is then ``x / scale`` bit for bit (both the correctly rounded x * 2**-k), and a multiply is several times
-    cheaper than a divide in the cast's inner loop."""
+    """``1 / scale`` where the cast multiplies by it: where that is exact (power-of-two scales down to
+    2**-127: MX; ``x * inverse`` is then ``x / scale`` bit for bit, and a multiply is several times cheaper
+    than a divide in the cast's inner loop), and always under ``scale_apply = "reciprocal"``; else None."""
 
 
 def tensor_scale_max(spec: QuantSpec) -> float:
@@ -175,6 +175,12 @@ def _inverse_exact(spec: QuantSpec) -> bool:
     the smallest, >= 2**-127, to 2**127; fp32-format power-of-two scales may go down to 2**-149, whose
     inverse overflows)."""
     return spec.scale_rounding != "exact" and smallest_scale(spec) >= 2.0**-127
+
+
+def in_scale_units(x: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``x`` in units of its group's ``scale``, the value that is rounded onto the element grid: ``x / scale``,
+    or ``x * fl(1 / scale)`` under ``spec.scale_apply = "reciprocal"`` (the one place the two differ)."""
+    return x * (1.0 / scale) if spec.scale_apply == "reciprocal" else x / scale
 
 
 OwnBuffer = Literal["none", "columns", "all"]
@@ -208,17 +214,19 @@ def group_scales(
     bs = scale_from_amax(amax, spec, tensor_scale=ts)
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
-        bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six)
+        bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six, spec.scale_apply == "reciprocal")
     own = (
         own_buffer != "none"
         and compiling_for_cpu(xg.device)
         and (own_buffer == "all" or xg.dim() - 1 not in dims)
     )
     inv = None
-    if ts is None and _inverse_exact(spec):
-        inv = materialize(1.0 / bs) if own else 1.0 / bs
+    if spec.scale_apply == "reciprocal":  # fl(1 / (block scale * tensor scale)), as it multiplies
+        inv = 1.0 / (bs if ts is None else bs * ts)
+    elif ts is None and _inverse_exact(spec):  # exact: the same bits as the division, and cheaper
+        inv = 1.0 / bs
     if own:
-        bs = materialize(bs)
+        bs, inv = materialize(bs), None if inv is None else materialize(inv)
     return GroupScales(amax, bs if ts is None else bs * ts, bs, ts, inv)
 
 

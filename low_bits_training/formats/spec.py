@@ -17,6 +17,7 @@ FourOverSix = Literal["off", "mse", "mae"]
 AmaxCompute = Literal["max", "most_recent"]
 Source = Literal["high", "forward"]
 RhtSigns = Literal["seeded", "te"]
+ScaleApply = Literal["divide", "reciprocal"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 HIGH = "high"
@@ -78,6 +79,12 @@ class QuantSpec:
     amax maps to 6 and to 4, and keeps the one with the lower round-to-nearest error, "mse" (sum of squares)
     or "mae" (sum of magnitudes); the two-level tensor scale then uses 256 in place of the scale format's max
     (arXiv 2512.02010; Transformer Engine's 4over6 NVFP4 recipe). "off": always 6."""
+    scale_apply: ScaleApply = "divide"
+    """How a value meets its group's scale before it is rounded: "divide" (x / scale, correctly rounded) or
+    "reciprocal" (x times the fp32 reciprocal of the scale, fl(1 / scale), as Transformer Engine's NVFP4
+    and MXFP8 quantizers do: a value whose quotient is an exact grid midpoint may then round the other way,
+    e.g. -300 under a scale of 120 in e2m1 is -240 divided and -360 by the reciprocal). The same for
+    power-of-two scales (their reciprocal is exact)."""
     amax_history: int = 0
     """Delayed scaling ("tensor" scaling only): 0 is current scaling (the amax of the tensor itself); N > 0
     takes the amax from the last N casts of this operand (a history the layer keeps, ``nn.delayed``), as
@@ -167,6 +174,7 @@ class QuantSpec:
             extra += ",minN" if self.scale_min == "normal" else ""
             extra += ",infNaN" if self.inf_amax == "nan" else ""
             extra += f",4/6{self.four_over_six}" if self.four_over_six != "off" else ""
+            extra += ",recip" if self.scale_apply == "reciprocal" else ""
             extra += f",delayed{self.amax_history}{self.amax_compute}" if self.amax_history else ""
             where += f"({self.scale_format},{self.scale_rounding}{extra})"
         sat = "" if self.saturate else "/nosat"

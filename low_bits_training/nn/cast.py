@@ -17,6 +17,7 @@ from low_bits_training.formats import (
     RandomSource,
     check_divisible,
     factored_quantize,
+    in_scale_units,
     round_to,
     scale_from_amax,
     split_scale,
@@ -86,7 +87,7 @@ def scaled_values(
     """
     amax = _global_amax(t, spec, shards)
     scale = scale_from_amax(amax, spec)
-    q = _round(t.to(torch.float32) / scale, spec, key)
+    q = _round(in_scale_units(t.to(torch.float32), scale, spec), spec, key)
     return q, scale
 
 
@@ -116,7 +117,7 @@ def delayed_values(
     scale = scale_from_amax(delayed.history_amax(history, spec, amax), spec)
     if record:
         delayed.record(history, spec, amax)
-    return _round(t.to(torch.float32) / scale, spec, key), scale
+    return _round(in_scale_units(t.to(torch.float32), scale, spec), spec, key), scale
 
 
 def cast_factored(

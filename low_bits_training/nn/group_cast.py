@@ -20,6 +20,7 @@ from low_bits_training.formats import (
     get_format,
     group_amax,
     grouped_shape,
+    in_scale_units,
     round_to,
     scale_from_amax,
 )
@@ -100,7 +101,7 @@ def group_cast(
     if spec.tensor_scale:
         gshape, _ = grouped_shape(t.shape, spec)
         bs, ts = _two_level_scales(t, spec, amax)
-        q = _round(t.reshape(gshape) / (bs * ts), spec, key)  # divided by block * tensor scale
+        q = _round(in_scale_units(t.reshape(gshape), bs * ts, spec), spec, key)  # over block * tensor scale
         return Factored(q * bs, ts).value(in_place=True).reshape(t.shape)  # as fake_quantize dequantizes
     scale = scale_from_amax(amax, spec)  # the per-group scale, broadcast to each row (or element)
-    return _round(t / scale, spec, key) * scale
+    return _round(in_scale_units(t, scale, spec), spec, key) * scale

@@ -31,6 +31,7 @@ from low_bits_training.formats import (
     encode,
     get_format,
     group_scales,
+    in_scale_units,
     round_to,
 )
 from low_bits_training.formats.native import native_fp8_dtype
@@ -239,7 +240,7 @@ class StateCodec:
         spec = self.spec
         xg = x.reshape(-1, spec.block_size if spec.scaling == "block" else x.shape[-1]).float()
         scale = group_scales(xg, spec, (1,)).scale if spec.scaling == "block" else None  # (blocks, 1)
-        q = xg if scale is None else xg / scale
+        q = xg if scale is None else in_scale_units(xg, scale, spec)
         codes = nearest_codes(q, xg, spec.elem, spec.saturate) if spec.rounding == "nearest" else None
         if codes is None:
             y = round_signed_(q.abs(), xg, spec.elem, spec.rounding, spec.saturate, key)

@@ -117,7 +117,14 @@ NVFP4_4OVER6 = QuantSpec(
     tensor_scale=True, scale_min="normal", inf_amax="nan", four_over_six="mse", rht=16, rht_seed=3, rht_signs="te",
     source="forward",
 )  # fmt: skip
-DELAYED = QuantSpec("e4m3", "tensor", scale_rounding="floor", amax_history=4, amax_compute="most_recent")
+DELAYED = QuantSpec(
+    "e4m3",
+    "tensor",
+    scale_rounding="floor",
+    amax_history=4,
+    amax_compute="most_recent",
+    scale_apply="reciprocal",
+)
 
 
 def test_a_rule_sets_each_field_of_the_spec():

@@ -18,7 +18,7 @@ import torch
 from torchtitan.protocols.module import Module
 
 from low_bits_training.config.saved import SavedFormat, resolve_saved
-from low_bits_training.formats import QuantSpec, group_scales, grouped_shape
+from low_bits_training.formats import QuantSpec, group_scales, grouped_shape, in_scale_units
 from low_bits_training.nn import saved as nn_saved
 from low_bits_training.nn.state import clean_fqn
 from low_bits_training.optim.codec import StateCodec, read_scales, store_scales
@@ -90,7 +90,7 @@ class SaveCodec:
         scale = stored = None
         if self.spec.scaling in ("tensor", "axis"):
             scale = group_scales(x, self.spec, grouped_shape(x.shape, self.spec)[1]).scale
-            x = x / scale
+            x = in_scale_units(x, scale, self.spec)
             stored = store_scales(scale, self.spec.scale_format)  # on its grid: exact in its own width
         return self.rows.encode(x), stored, t.shape, t.dtype
 
