@@ -23,6 +23,7 @@ from low_bits_training.formats.spec import (
     ScaleFormat,
     ScaleMin,
     ScaleRounding,
+    ScaleUnderflow,
     Scaling,
     Source,
     shared_spec_fields,
@@ -121,6 +122,9 @@ class QuantRule(Section):
     scale_apply: ScaleApply | None = None
     """QuantSpec.scale_apply: divide (x / scale) | reciprocal (x * fl(1 / scale), as Transformer Engine's
     quantizers: exact grid midpoints may round the other way)."""
+    scale_underflow: ScaleUnderflow | None = None
+    """QuantSpec.scale_underflow: clamp (the smallest scale; values kept) | zero (a group whose scale rounds to
+    0 becomes 0, as Transformer Engine's NVFP4 quantizer leaves it; needs scale_rounding = "exact")."""
     amax_history: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
     amax_compute: AmaxCompute | None = None

@@ -10,7 +10,7 @@ import torch
 from .codec import decode, encode, pack, unpack
 from .random import RandomSource
 from .rounding import round_signed_
-from .scaling import GroupScales, OwnBuffer, group_scales, grouped_shape
+from .scaling import GroupScales, OwnBuffer, group_scales, grouped_shape, zero_underflowed
 from .spec import QuantSpec
 
 
@@ -29,7 +29,7 @@ def _round_scaled(xg: torch.Tensor, gs: GroupScales, spec: QuantSpec, generator)
     if spec.scaling == "none":
         a = xg.abs()
     else:
-        a = (xg / gs.scale if gs.inverse is None else xg * gs.inverse).abs_()
+        a = zero_underflowed(xg / gs.scale if gs.inverse is None else xg * gs.inverse, gs.scale, spec).abs_()
     return round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, generator)
 
 

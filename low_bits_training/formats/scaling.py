@@ -129,7 +129,13 @@ def scale_from_amax(
         s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
         if spec.margin:
             s = s * 2.0**spec.margin
-        s = round_to(s, sfmt).clamp_min_(smallest)  # never a zero scale
+        s = round_to(s, sfmt)
+        # never a zero scale, unless an underflowing group is to be zeroed (its scale 0: see in_scale_units)
+        s = (
+            torch.where(s == 0, 0.0, s.clamp_min(smallest))
+            if spec.scale_underflow == "zero"
+            else s.clamp_min_(smallest)
+        )
     else:
         rel = amax if tensor_scale is None else amax / tensor_scale
         e = _pow2_exponent(rel, spec, max_elem, elem.emax) + spec.margin
@@ -179,8 +185,16 @@ def _inverse_exact(spec: QuantSpec) -> bool:
 
 def in_scale_units(x: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``x`` in units of its group's ``scale``, the value that is rounded onto the element grid: ``x / scale``,
-    or ``x * fl(1 / scale)`` under ``spec.scale_apply = "reciprocal"`` (the one place the two differ)."""
-    return x * (1.0 / scale) if spec.scale_apply == "reciprocal" else x / scale
+    or ``x * fl(1 / scale)`` under ``spec.scale_apply = "reciprocal"`` (the one place the two differ); 0 in a
+    group zeroed for underflow (``zero_underflowed``)."""
+    v = x * (1.0 / scale) if spec.scale_apply == "reciprocal" else x / scale
+    return zero_underflowed(v, scale, spec)
+
+
+def zero_underflowed(v: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``v`` (values in scale units) with the groups whose scale is 0 set to 0, under ``scale_underflow =
+    "zero"`` (x / 0 would be inf or NaN); ``v`` itself otherwise."""
+    return torch.where(scale == 0, 0.0, v) if spec.scale_underflow == "zero" else v
 
 
 OwnBuffer = Literal["none", "columns", "all"]

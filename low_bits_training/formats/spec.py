@@ -18,6 +18,7 @@ AmaxCompute = Literal["max", "most_recent"]
 Source = Literal["high", "forward"]
 RhtSigns = Literal["seeded", "te"]
 ScaleApply = Literal["divide", "reciprocal"]
+ScaleUnderflow = Literal["clamp", "zero"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 HIGH = "high"
@@ -85,6 +86,11 @@ class QuantSpec:
     and MXFP8 quantizers do: a value whose quotient is an exact grid midpoint may then round the other way,
     e.g. -300 under a scale of 120 in e2m1 is -240 divided and -360 by the reciprocal). The same for
     power-of-two scales (their reciprocal is exact)."""
+    scale_underflow: ScaleUnderflow = "clamp"
+    """A nonzero group whose exact scale rounds to 0 in ``scale_format`` (block amax below about 2**-18.8 of
+    the tensor amax in NVFP4): "clamp" (the scale format's smallest scale, ``scale_min``: its values are kept
+    as well as that scale allows) or "zero" (the group becomes 0, as Transformer Engine's NVFP4 quantizer
+    leaves it). "zero" needs ``scale_rounding = "exact"``."""
     amax_history: int = 0
     """Delayed scaling ("tensor" scaling only): 0 is current scaling (the amax of the tensor itself); N > 0
     takes the amax from the last N casts of this operand (a history the layer keeps, ``nn.delayed``), as
@@ -141,6 +147,11 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec.rht_signs='te' is a 16-long vector; it needs rht = 16, got {self.rht}"
             )
+        if self.scale_underflow == "zero" and (self.scale_rounding != "exact" or self.scaling == "none"):
+            raise ValueError(
+                "QuantSpec.scale_underflow='zero' needs scaled groups with scale_rounding 'exact', got "
+                f"{self.scaling!r}, {self.scale_rounding!r}"
+            )
         if self.amax_history and self.scaling != "tensor":
             raise ValueError(
                 f"QuantSpec.amax_history={self.amax_history} (delayed scaling) needs scaling 'tensor', "
@@ -175,6 +186,7 @@ class QuantSpec:
             extra += ",infNaN" if self.inf_amax == "nan" else ""
             extra += f",4/6{self.four_over_six}" if self.four_over_six != "off" else ""
             extra += ",recip" if self.scale_apply == "reciprocal" else ""
+            extra += ",uf0" if self.scale_underflow == "zero" else ""
             extra += f",delayed{self.amax_history}{self.amax_compute}" if self.amax_history else ""
             where += f"({self.scale_format},{self.scale_rounding}{extra})"
         sat = "" if self.saturate else "/nosat"
