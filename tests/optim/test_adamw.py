@@ -144,7 +144,7 @@ def test_a_closure_is_called_with_gradients_on_and_its_loss_returned_as_torch_do
             loss.backward()
             return loss
 
-        return [float(opt.step(closure)) for _ in range(3)]
+        return [opt.step(closure).item() for _ in range(3)]
 
     if name == "adamw":
         ref, ps = params(), params()
