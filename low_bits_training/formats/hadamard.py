@@ -63,8 +63,8 @@ def sign_vector(size: int, seed: int = 0, signs: str = "seeded") -> tuple[int, .
 
 
 def operand_signs(spec) -> tuple[int, ...]:
-    """The sign vector of a ``QuantSpec`` whose ``rht`` is on (its ``rht``, ``rht_seed``, ``rht_signs``)."""
-    return sign_vector(spec.rht, spec.rht_seed, spec.rht_signs)
+    """The sign vector of a ``QuantSpec`` whose ``rht`` is on (its ``rht_key``)."""
+    return sign_vector(*spec.rht_key)
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from .hadamard import NAMED_SIGNS
 from .table import get_format
 
 Scaling = Literal["none", "tensor", "axis", "block", "tile"]
@@ -143,9 +144,11 @@ class QuantSpec:
                 raise ValueError(f"QuantSpec.{name}={v!r} must be an int in [0, {top}]")
         if self.rht and (self.rht < 2 or self.rht & (self.rht - 1)):
             raise ValueError(f"QuantSpec.rht={self.rht} must be 0 (off) or a power of two >= 2")
-        if self.rht and self.rht_signs == "te" and self.rht != 16:
+        named = len(NAMED_SIGNS.get(self.rht_signs, ()))
+        if self.rht and named and self.rht != named:
             raise ValueError(
-                f"QuantSpec.rht_signs='te' is a 16-long vector; it needs rht = 16, got {self.rht}"
+                f"QuantSpec.rht_signs={self.rht_signs!r} is a {named}-long vector; it needs rht = {named}, "
+                f"got {self.rht}"
             )
         if self.scale_underflow == "zero" and (self.scale_rounding != "exact" or self.scaling == "none"):
             raise ValueError(
@@ -164,6 +167,12 @@ class QuantSpec:
                 f"QuantSpec.four_over_six={self.four_over_six!r} needs format 'e2m1', scaling block/tile and "
                 f"scale_rounding 'exact', got {self.format!r}, {self.scaling!r}, {self.scale_rounding!r}"
             )
+
+    @property
+    def rht_key(self) -> tuple[int, int, str]:
+        """What decides the RHT of this operand, ``(rht, rht_seed, rht_signs)``: the two operands of a GEMM
+        must agree on it for the transform to cancel, and ``formats.hadamard.operand_signs`` reads it."""
+        return self.rht, self.rht_seed, self.rht_signs
 
     @property
     def elem(self):

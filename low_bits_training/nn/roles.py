@@ -77,7 +77,7 @@ def operand_problem(specs: tuple[QuantSpec | None, ...], backends: tuple[str, ..
             return f"{name}: source = 'forward' reads {FORWARD_SOURCES[name]}, which has an RHT (rht = {fwd.rht})"
     for gemm, backend in zip(GEMMS, backends, strict=True):
         a, b = (by[r.name] for r in ROLES if r.gemm == gemm)
-        ta, tb = ((s.rht, s.rht_seed, s.rht_signs) if s is not None else (0, 0, "seeded") for s in (a, b))
+        ta, tb = (s.rht_key if s is not None else (0, 0, "seeded") for s in (a, b))
         if ta != tb:
             return (
                 f"{gemm}: the RHT (rht, rht_seed, rht_signs) of its operands differ, {ta} vs {tb}; it cancels "

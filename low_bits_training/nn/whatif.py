@@ -86,12 +86,9 @@ def record(buf, whatif: WhatIf, layer_key: torch.Tensor, mode: ProbeMode, role: 
     cast it (along the role's contraction dim); one with ``source = "forward"`` on the operand itself.
     """
     specs, keys = whatif.role_specs(role), _keys(layer_key, whatif, role)
-    for rht, seed, signs in sorted({(s.rht, s.rht_seed, s.rht_signs) for s in specs if s is not None}):
-        sel = tuple(
-            s if s is not None and (s.rht, s.rht_seed, s.rht_signs) == (rht, seed, signs) else None
-            for s in specs
-        )
-        u = hadamard.rht(t, hadamard.sign_vector(rht, seed, signs), ROLES[role].axis) if rht else t
+    for key in sorted({s.rht_key for s in specs if s is not None}):
+        sel = tuple(s if s is not None and s.rht_key == key else None for s in specs)
+        u = hadamard.rht(t, hadamard.sign_vector(*key), ROLES[role].axis) if key[0] else t
         probe.record_whatif(buf, mode, role, u, sel, keys)
 
 

@@ -105,7 +105,10 @@ def test_te_signs_are_transformer_engines_vector_and_differ_from_our_seeded_one(
     assert seeded == (1, -1, -1, 1, 1, -1, -1, 1, -1, 1, 1, 1, -1, 1, -1, 1)
     assert sum(a != b for a, b in zip(te, seeded, strict=True)) == 7
     eye = torch.eye(16, dtype=torch.float64)
-    ours_te, ours_seeded = rht_reference(eye, te), rht_reference(eye, seeded)  # rows: the matrix diag(s) H / 4
+    ours_te, ours_seeded = (
+        rht_reference(eye, te),
+        rht_reference(eye, seeded),
+    )  # rows: the matrix diag(s) H / 4
     assert torch.equal(ours_te, get_rht_matrix(te, "cpu", torch.float64, 16))
     assert int((ours_te != ours_seeded).sum()) == 112
 
@@ -121,3 +124,11 @@ def test_named_signs_need_their_length_and_reach_the_gemm_through_the_spec():
     assert hadamard.operand_signs(spec) == hadamard.NAMED_SIGNS["te"]
     assert spec.short().startswith("rht16te:")
     assert QuantSpec.nvfp4(rht=16, rht_seed=9).short().startswith("rht16s9:")
+
+
+def test_the_named_signs_are_the_choices_of_the_spec_field():
+    from typing import get_args
+
+    from low_bits_training.formats.spec import RhtSigns
+
+    assert get_args(RhtSigns) == ("seeded", *hadamard.NAMED_SIGNS)

@@ -92,7 +92,11 @@ def test_source_forward_casts_the_forward_copy_again():
 @pytest.mark.parametrize(
     ("roles", "changes", "msg"),
     [
-        (["wgrad.input"], {"rht": 16}, "wgrad: the RHT .* differ, \\(0, 0, 'seeded'\\) vs \\(16, 0, 'seeded'\\)"),
+        (
+            ["wgrad.input"],
+            {"rht": 16},
+            "wgrad: the RHT .* differ, \\(0, 0, 'seeded'\\) vs \\(16, 0, 'seeded'\\)",
+        ),
         (["wgrad.*"], {"rht": 16, "rht_seed": 0}, None),
         (["forward.input"], {"source": "forward"}, "forward.input: source = 'forward' is for dgrad.weight"),
     ],

@@ -2,8 +2,9 @@
 
 Each entry names the logger that writes the line, the words that identify it and why no user can act on it.
 ``install()`` puts one filter on each of those loggers (at the source: a handler torchtitan or torch adds
-later still never sees the line). The launcher, every rank (``titan/launch/worker.py``) and the cli tools call
-it first. Every other record passes, the same logger's other lines included (``tests/test_noise.py``).
+later still never sees the line). Importing titan installs it (``stand.py``), before any torchtitan or torchao
+import, in the launcher and every rank; the cli tools also call it first, some of which import titan for
+nothing else. Every other record passes, the same logger's other lines included (``tests/test_noise.py``).
 Plain ``logging``: installing it imports neither torch nor torchtitan.
 """
 

@@ -80,7 +80,6 @@ class PrecisionPlanConverter(QuantizationConverter):
 
     def _layer_config(self, cfg, plan: LinearPlan):
         if plan.backends[0].startswith("torchao"):
-
             return layer_config(cfg, plan, self.config.torchao)
         return TitanQuantLinear.Config(
             in_features=cfg.in_features,
@@ -193,7 +192,6 @@ def convert_linears(config, plans: dict[str, LinearPlan], keep: set[str]) -> Non
     converter = PrecisionPlanConverter.Config(plans=mine, torchao=config.quantize.torchao, keep=sorted(keep))
     config.model_spec.model = converter.build().convert(config.model_spec.model)
     if any(p.backends[0].startswith("torchao") for p in mine.values()):
-
         install_fsdp_scale_precompute(config)
 
 
