@@ -27,7 +27,7 @@ from .scaling import (
     scale_from_amax,
 )
 from .spec import HIGH, SCALE_FORMATS, QuantSpec
-from .table import ALIASES, FORMATS, FloatFormat, Format, IntFormat, get_format
+from .table import ALIASES, FORMATS, CodeFormat, FloatFormat, Format, IntFormat, get_format
 
 __all__ = [
     "HIGH",
@@ -35,6 +35,7 @@ __all__ = [
     "FORMATS",
     "ROUNDINGS",
     "SCALE_FORMATS",
+    "CodeFormat",
     "Factored",
     "FloatFormat",
     "Format",

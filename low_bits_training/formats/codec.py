@@ -4,14 +4,16 @@ Codes are uint8 holding the format's bit pattern in the low ``bits`` bits: sign 
 NaN encodes as the all-ones code (with the value's sign bit where the format is signed); inf as the all-ones
 exponent with mantissa 0. Formats with no NaN ("finite": fp6, fp4; int) cannot encode NaN: it becomes the
 code of +0 (a NaN inside a scaled group already makes that group's scale NaN, which is how OCP MX carries it).
+Codebooks (``CodeFormat``: dt8, udt8): the code is the value's index in the book (``formats.codebook``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .codebook import decode_code, encode_code
 from .rounding import exp2i, floor_log2
-from .table import FloatFormat, Format, IntFormat, get_format
+from .table import CodeFormat, FloatFormat, Format, IntFormat, get_format
 
 
 def _encode_float(y: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -54,6 +56,8 @@ def encode(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
         return (y.nan_to_num(0.0).to(torch.int32) & (2**fmt.bits - 1)).to(torch.uint8)
+    if isinstance(fmt, CodeFormat):
+        return encode_code(y, fmt)
     return _encode_float(y.to(torch.float32), fmt)
 
 
@@ -63,6 +67,8 @@ def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     if isinstance(fmt, IntFormat):
         half = 2 ** (fmt.bits - 1)
         return (((codes.to(torch.int32) & (2**fmt.bits - 1)) ^ half) - half).to(torch.float32)
+    if isinstance(fmt, CodeFormat):
+        return decode_code(codes, fmt)
     return _decode_float(codes, fmt)
 
 
@@ -90,5 +96,7 @@ def finite_grid_values(fmt: str | Format) -> list[float]:
     fmt = get_format(fmt)
     if isinstance(fmt, IntFormat):
         return [float(v) for v in range(-int(fmt.max), int(fmt.max) + 1)]
+    if isinstance(fmt, CodeFormat):
+        return list(fmt.values)
     vals = decode(torch.arange(fmt.n_codes, dtype=torch.int32), fmt)
     return sorted(set(vals[torch.isfinite(vals)].tolist()))

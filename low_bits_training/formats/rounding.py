@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from .codebook import round_code
 from .fast_round import (
     binade_format,
     bits_ok,
@@ -33,7 +34,7 @@ from .fast_round import (
 )
 from .native import compiling_for_cpu, rounds_by_cast
 from .random import RandomSource, uniform
-from .table import FloatFormat, Format, IntFormat, get_format
+from .table import CodeFormat, FloatFormat, Format, IntFormat, get_format
 
 FAST_PATHS = True
 """Use the fast nearest / stochastic paths (tests switch this off to hold the generic path to the reference)."""
@@ -197,6 +198,8 @@ def round_signed_(
 
     The in-place form of ``round_to`` used by the scaled paths: ``a = (x / scale).abs_()``, ``sign = x``.
     """
+    if isinstance(fmt, CodeFormat):  # a codebook: signed search, saturating (``formats.codebook``)
+        return round_code(a.copysign_(sign), fmt, rounding, generator)
     y = round_magnitude(a, fmt, rounding, saturate, generator).copysign_(sign)
     if not fmt.signed:
         y = _unsigned_fixups(y.abs_(), sign, fmt)

@@ -15,6 +15,10 @@ Names ``eXmY`` that are not in the table (e3m4, e2m5, e4m4, ...) are parsed as I
 signed, bias 2**(X-1)-1, subnormals, the all-ones exponent field reserved for inf/NaN. This is
 ml_dtypes' convention for its float8_e3m4 and float8_e4m3 (non-"fn"); the OCP-named formats in the table
 (e4m3 "fn", fp6, fp4) keep their own OCP conventions.
+
+A third kind, ``CodeFormat`` (defined in ``formats.codebook`` with its rounding), is a codebook: 2**bits sorted
+values in [-1, 1] and no bit structure; a code is the index of its value. "dt8" / "udt8" are the dynamic-tree
+8-bit maps of bitsandbytes' and torchao's 8-bit optimizers (``codebook.dynamic_tree_values``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from .codebook import CodeFormat, dynamic_tree_values
 
 Specials = Literal["ieee", "fn", "finite"]
 
@@ -167,7 +173,7 @@ class IntFormat:
         return self.name
 
 
-Format = FloatFormat | IntFormat
+Format = FloatFormat | IntFormat | CodeFormat
 
 _TABLE: tuple[Format, ...] = (
     FloatFormat("fp32", 8, 23, "ieee", torch_dtype=torch.float32),
@@ -182,6 +188,8 @@ _TABLE: tuple[Format, ...] = (
     FloatFormat("ue4m3", 4, 3, "fn", signed=False),
     IntFormat("int8", 8),
     IntFormat("int4", 4),
+    CodeFormat("dt8", dynamic_tree_values(signed=True)),
+    CodeFormat("udt8", dynamic_tree_values(signed=False), signed=False),
 )
 
 FORMATS: dict[str, Format] = {f.name: f for f in _TABLE}
@@ -219,15 +227,15 @@ def get_format(name: str | Format) -> Format:
     """Look up a format by name (canonical, alias, or a parsed ``eXmY``).
 
     Args:
-        name: e.g. ``"e4m3"``, ``"fp8_e4m3"``, ``"int8"``, ``"e3m4"``; a format object is returned as is.
+        name: e.g. ``"e4m3"``, ``"fp8_e4m3"``, ``"int8"``, ``"e3m4"``, ``"dt8"``; a format object is returned as is.
 
     Returns:
-        The ``FloatFormat`` or ``IntFormat``.
+        The ``FloatFormat``, ``IntFormat`` or ``CodeFormat``.
 
     Raises:
         ValueError: unknown name (one line naming the value and the allowed names/pattern).
     """
-    if isinstance(name, FloatFormat | IntFormat):
+    if isinstance(name, FloatFormat | IntFormat | CodeFormat):
         return name
     key = ALIASES.get(str(name).lower(), str(name).lower())
     fmt = FORMATS.get(key) or _parse_exmy(key)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from low_bits_training.formats import Factored, QuantSpec, hadamard
-from low_bits_training.formats.table import IntFormat, get_format
+from low_bits_training.formats.table import CodeFormat, IntFormat, get_format
 
 from . import delayed, kernels, probe, rng
 from .cast import ShardGroups, cast_factored
@@ -61,7 +61,10 @@ GEMM_OUTPUT = {"forward": "input", "dgrad": "input", "wgrad": "weight"}
 
 
 def significant_bits(fmt) -> int:
-    """Significant bits of a format's values (floats: mantissa bits + 1; symmetric ints: magnitude bits)."""
+    """Significant bits of a format's values (floats: mantissa bits + 1; symmetric ints: magnitude bits;
+    codebooks: what their values need, 24 for the dynamic tree)."""
+    if isinstance(fmt, CodeFormat):
+        return fmt.significant_bits
     return fmt.bits - 1 if isinstance(fmt, IntFormat) else fmt.mbits + 1
 
 
