@@ -34,9 +34,10 @@ from low_bits_training.formats import (
     in_scale_units,
     round_to,
 )
+from low_bits_training.formats.codebook import code_indices
 from low_bits_training.formats.native import native_fp8_dtype
 from low_bits_training.formats.rounding import nearest_thresholds, round_signed_, threshold_format
-from low_bits_training.formats.table import FloatFormat, Format, IntFormat
+from low_bits_training.formats.table import CodeFormat, FloatFormat, Format, IntFormat
 
 from .presets import NATIVE
 
@@ -106,8 +107,10 @@ def nearest_codes(q: torch.Tensor, sign: torch.Tensor, fmt: Format, saturate: bo
     fp8: the dtype's cast (where ``native_fp8_dtype`` allows it). Float formats of <= 4 bits without NaN or inf
     (fp4): the magnitude's code is the number of rounding thresholds (midpoints of neighbouring grid values) it
     passes, a tie going to the even code; a NaN passes none (code +-0, as ``formats.encode`` gives formats
-    without NaN).
+    without NaN). Codebooks (dt8): their own search (``formats.codebook``, ties up as bitsandbytes does).
     """
+    if isinstance(fmt, CodeFormat):
+        return code_indices(q.copysign(sign), fmt).to(torch.uint8)
     dtype = native_fp8_dtype(fmt, q.device, saturate)
     if dtype is not None:
         q = (q.clamp(-fmt.max, fmt.max) if saturate else q).copysign(sign)  # a NaN takes the value's sign
@@ -127,11 +130,12 @@ def grid_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:
 
     Integers: the low bits of the value. Signed float formats with subnormals (fp8, fp6, fp4, eXmY): the
     exponent and top mantissa bits of the fp32 bit pattern, or |y| / min_subnormal below the normal range
-    (integer ops only: no fp8 dtype, which Triton lacks on older GPUs). Anything else: ``formats.encode``.
+    (integer ops only: no fp8 dtype, which Triton lacks on older GPUs). Anything else (codebooks included):
+    ``formats.encode``.
     """
     if isinstance(fmt, IntFormat):
         return (torch.where(y == y, y, 0.0).to(torch.int32) & (2**fmt.bits - 1)).to(torch.uint8)
-    if not (fmt.signed and fmt.subnormals) or fmt.mbits == 0:
+    if isinstance(fmt, CodeFormat) or not (fmt.signed and fmt.subnormals) or fmt.mbits == 0:
         return encode(y, fmt)
     a = y.abs()
     bits = a.view(torch.int32)

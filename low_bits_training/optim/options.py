@@ -19,14 +19,22 @@ IGNORED_GROUP_KEYS = frozenset({"params", "param_names", "foreach", "initial_lr"
 """Keys torch / torchtitan put into every param group; not options of ours (torchtitan's ``fused`` is)."""
 
 
-def _check_format(key: str, value: Any, allow_none: bool = False) -> QuantSpec | None:
+def _check_format(key: str, value: Any, allow_none: bool = False, signed: bool = True) -> QuantSpec | None:
+    """The state format of option ``key``; ``signed``: the state has negative values, so the element format
+    must hold them (an unsigned codebook such as ``udt8`` would clamp them to 0)."""
     if allow_none and value in (None, "none"):
         return None
     try:
-        return parse_state_format(value)
+        spec = parse_state_format(value)
     except (ValueError, TypeError) as e:
         allowed = ("'none', " if allow_none else "") + allowed_names()
         raise ValueError(f"{key}={value!r}: {str(e).splitlines()[0]}; allowed {allowed}") from None
+    if signed and not spec.elem.signed:
+        raise ValueError(
+            f"{key}={value!r}: format {spec.format!r} is unsigned and this state is signed; allowed a signed "
+            "format (dt8_block256, int8_block128, ...; unsigned ones only for exp_avg_sq)"
+        )
+    return spec
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,8 @@ class AdamWOptions(_Common):
     exp_avg: str | dict = "int8_block128"
     """Format of the first moment m (signed)."""
     exp_avg_sq: str | dict = "e4m3_block128"
-    """Format of the second moment: stores sqrt(v) when ``sqrt_exp_avg_sq`` (halves its log-range)."""
+    """Format of the second moment: stores sqrt(v) when ``sqrt_exp_avg_sq`` (halves its log-range). It is
+    never negative, so unsigned formats (``udt8_block256``) serve too."""
     sqrt_exp_avg_sq: bool = True
     """Store sqrt(v) instead of v: v spans ~2x the binades of m; sqrt(v) has m's units and range."""
     v_floor: bool = True
@@ -124,7 +133,7 @@ class AdamWOptions(_Common):
         if isinstance(self.eps, bool) or not isinstance(self.eps, int | float) or not self.eps > 0:
             raise ValueError(f"eps={self.eps!r}: allowed a number > 0")
         _check_format("exp_avg", self.exp_avg)
-        _check_format("exp_avg_sq", self.exp_avg_sq)
+        _check_format("exp_avg_sq", self.exp_avg_sq, signed=False)
         for key in ("sqrt_exp_avg_sq", "v_floor"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}={getattr(self, key)!r}: allowed true, false")

@@ -35,10 +35,15 @@ PRESETS: dict[str, QuantSpec] = {
     ),
     "int4_block128": QuantSpec("int4", "block", block_size=128),
     "e2m1_block128": QuantSpec("e2m1", "block", block_size=128),
+    "dt8_block256": QuantSpec("dt8", "block", block_size=256),
+    "udt8_block256": QuantSpec("udt8", "block", block_size=256),
 }
 """Named state formats. ``<fmt>_block<N>[_<scale fmt>]`` is also parsed for any element/scale format, and a
 ``_sr`` suffix on any name selects stochastic rounding of the state (unbiased EMA updates).
-e8m0 scales use "ceil" rounding so the block max never saturates (a power-of-two scale >= amax/max)."""
+e8m0 scales use "ceil" rounding so the block max never saturates (a power-of-two scale >= amax/max).
+``dt8`` / ``udt8``: the dynamic-tree codebooks (signed / unsigned) of bitsandbytes' and torchao's 8-bit
+optimizers, in their 256-blocks with fp32 absmax scales (``formats.codebook``); ``udt8`` clamps negatives to 0,
+so it is for the second moment only (``optim.options``)."""
 
 _PATTERN = re.compile(r"^(?P<fmt>[a-z0-9]+)_block(?P<bs>\d+)(?:_(?P<sf>fp32|bf16|e8m0|ue4m3))?(?P<sr>_sr)?$")
 _SPEC_KEYS = tuple(f.name for f in fields(QuantSpec))
