@@ -1,6 +1,8 @@
 """Optimizer-state bytes per parameter, peak memory of a step and step time, per optimizer option.
 
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_optim.py [--quick] [--steps 10] [--ranks 2]
+Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --direction 300: the relative error of the update
+direction m / sqrt(v) when the moments of a real loss go through each state format (``direction_errors``).
 The weights: a stack of square fp32 matrices, 12 x 2048^2 = 50.3M parameters (--quick: 4 x 1024^2 = 4.2M),
 with gradients; with --ranks 2, the same weights as FSDP2-sharded linear layers on 2 CPU ranks (gloo, one
 thread each), figures per rank (the shards are equal).
@@ -236,6 +238,123 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+DIRECTION_FORMATS: dict[str, dict] = {
+    "default: int8_block128 / e4m3_block128 sqrt(v)": {},
+    "int8_block128 / int8_block128 sqrt(v)": {"exp_avg_sq": "int8_block128"},
+    "dt8_block128 / udt8_block128 sqrt(v)": {"exp_avg": "dt8_block128", "exp_avg_sq": "udt8_block128"},
+    "dt8_block256 / udt8_block256 sqrt(v)": {"exp_avg": "dt8_block256", "exp_avg_sq": "udt8_block256"},
+    "dt8_block256 / udt8_block256 v (torchao's layout)": {
+        "exp_avg": "dt8_block256",
+        "exp_avg_sq": "udt8_block256",
+        "sqrt_exp_avg_sq": False,
+    },
+    "dt8_block256 / int8_block128 sqrt(v)": {"exp_avg": "dt8_block256", "exp_avg_sq": "int8_block128"},
+    "int8_block128 / udt8_block128 sqrt(v)": {"exp_avg_sq": "udt8_block128"},
+}
+"""Update-direction rows: state formats of LowBitAdamW (``AdamWOptions`` keys; the rest its defaults)."""
+
+
+def real_moments(steps: int) -> list[tuple]:
+    """(m, v, step) of torch AdamW (fp32, betas 0.9 / 0.999) after ``steps`` steps of a teacher-student MLP
+    (512 -> 2048 -> 512, GELU, batch 128, lr 1e-3, noisy targets): moments of a real loss, not random ones."""
+    import torch
+
+    torch.manual_seed(0)
+    mlp = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)
+    )
+    teacher, student = mlp(), mlp()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    for _ in range(steps):
+        x = torch.randn(128, 512)
+        with torch.no_grad():
+            y = teacher(x) + 0.1 * torch.randn(128, 512)
+        loss = torch.nn.functional.mse_loss(student(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [
+        (s["exp_avg"], s["exp_avg_sq"], int(s["step"]))
+        for p in student.parameters()
+        if p.dim() == 2
+        for s in [opt.state[p]]
+    ]
+
+
+def _state_round_trip(cm, cv, sqrt_v: bool):
+    """(m, v) -> (m, v) as the optimizer stores and reads them back (v through sqrt(v) where ``sqrt_v``)."""
+
+    def rt(codec, x):
+        return codec.decode(codec.encode(x), tuple(x.shape))
+
+    return lambda m, v: (rt(cm, m), rt(cv, v.sqrt()).square() if sqrt_v else rt(cv, v))
+
+
+def direction_errors(steps: int) -> list[dict]:
+    """Relative error ||u_q - u|| / ||u|| of the update direction u = m_hat / (sqrt(v_hat) + eps) when m and v
+    go through each state format of ``DIRECTION_FORMATS`` (the optimizer's own codec; sqrt(v) squared back
+    where stored; with and without the optimizer's ``v_floor``), over the 2-D weights of ``real_moments``;
+    and torchao AdamW8bit's quantizer (signed dynamic map on m, unsigned on v, blocks of 256) as the peer."""
+    import torch
+    from torchao.optim.quant_utils import (
+        create_dynamic_map,
+        dequant_with_qmap,
+        quantize_8bit_with_qmap,
+        scale_tensor,
+    )
+
+    from low_bits_training.optim import StateCodec
+    from low_bits_training.optim.options import AdamWOptions
+
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    moments = real_moments(steps)
+    inv_c2 = ((1 - b2) * (1 - b1**2 / b2)) / (1 - b1) ** 2
+
+    def direction(m, v, k):
+        return (m / (1 - b1**k)) / ((v / (1 - b2**k)).sqrt() + eps)
+
+    def torchao_q(x, signed):
+        qmap = torch.tensor(create_dynamic_map(signed=signed), dtype=torch.float32)
+        scaled, scale = scale_tensor(x, 256)
+        return dequant_with_qmap(quantize_8bit_with_qmap(scaled, qmap), qmap, scale)
+
+    def row(label, quantize, floor):
+        num = den = flushed = n = 0.0
+        for m, v, k in moments:
+            u = direction(m, v, k)
+            mq, vq = quantize(m, v)
+            uq = direction(mq, torch.maximum(vq, mq * mq * inv_c2) if floor else vq, k)
+            num, den = num + (uq - u).pow(2).sum().item(), den + u.pow(2).sum().item()
+            flushed, n = flushed + ((mq == 0) & (m != 0)).sum().item(), n + m.numel()
+        return {"label": label, "floor": floor, "err": (num / den) ** 0.5, "flushed": flushed / n}
+
+    rows = []
+    for label, kw in DIRECTION_FORMATS.items():
+        o = AdamWOptions(lr=1.0, betas=(b1, b2), eps=eps, **kw)
+        specs = o.state_specs()
+        q = _state_round_trip(
+            StateCodec(specs["exp_avg"]), StateCodec(specs["exp_avg_sq"]), o.sqrt_exp_avg_sq
+        )
+        rows += [row(label, q, True), row(label, q, False)]
+    ao = lambda m, v: (torchao_q(m, True), torchao_q(v, False))  # noqa: E731
+    rows.append(row("torchao AdamW8bit (dynamic map m / v, block 256)", ao, False))
+    return rows
+
+
+def direction_table(rows: list[dict]) -> str:
+    by: dict[str, dict] = {}
+    for r in rows:
+        by.setdefault(r["label"], {})[r["floor"]] = r
+    lines = [
+        "| m / v state formats | update-direction error, v_floor / no floor | m entries flushed to 0 |",
+        "|---|---|---|",
+    ]
+    for label, r in by.items():
+        err = " / ".join(f"{r[f]['err']:.4f}" if f in r else "n/a" for f in (True, False))
+        lines.append(f"| {label} | {err} | {next(iter(r.values()))['flushed']:.2%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 x 1024^2 params instead of 12 x 2048^2")
@@ -244,7 +363,18 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="option labels to run (default: all)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="time", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--direction",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: the update-direction error of each state format on the moments of STEPS AdamW steps",
+    )
     args = ap.parse_args()
+    if args.direction:
+        print(f"moments after {args.direction} AdamW steps (real_moments), CPU, one process\n")
+        print(direction_table(direction_errors(args.direction)))
+        return
     if args.child:
         print(json.dumps(child(args.child, args.quick, args.steps, args.ranks, args.mode)), flush=True)
         if args.ranks > 1:
