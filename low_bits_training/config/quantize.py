@@ -22,6 +22,7 @@ from low_bits_training.formats.spec import (
     ScaleApply,
     ScaleFormat,
     ScaleMin,
+    ScaleOrder,
     ScaleRounding,
     ScaleUnderflow,
     Scaling,
@@ -125,6 +126,10 @@ class QuantRule(Section):
     scale_underflow: ScaleUnderflow | None = None
     """QuantSpec.scale_underflow: clamp (the smallest scale; values kept) | zero (a group whose scale rounds to
     0 becomes 0, as Transformer Engine's NVFP4 quantizer leaves it; needs scale_rounding = "exact")."""
+    scale_order: ScaleOrder | None = None
+    """QuantSpec.scale_order: decode (tensor scale fl(amax / 2688), ours) | te (Transformer Engine's NVFP4
+    arithmetic from the encode scale fl(2688 / amax); needs tensor_scale, exact scales, scale_apply =
+    "reciprocal", no 4over6)."""
     amax_history: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
     amax_compute: AmaxCompute | None = None

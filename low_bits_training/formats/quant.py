@@ -10,7 +10,7 @@ import torch
 from .codec import decode, encode, pack, unpack
 from .random import RandomSource
 from .rounding import round_signed_
-from .scaling import GroupScales, OwnBuffer, group_scales, grouped_shape, zero_underflowed
+from .scaling import GroupScales, OwnBuffer, group_scales, grouped_shape, in_scale_units
 from .spec import QuantSpec
 
 
@@ -27,10 +27,10 @@ def _round_scaled(xg: torch.Tensor, gs: GroupScales, spec: QuantSpec, generator)
     # the exact inverse where there is one: the same bits), then rounded onto the element grid in place:
     # one fresh buffer, which matters for eager speed.
     if spec.scaling == "none":
-        a = xg.abs()
-    else:
-        a = zero_underflowed(xg / gs.scale if gs.inverse is None else xg * gs.inverse, gs.scale, spec).abs_()
-    return round_signed_(a, xg, spec.elem, spec.rounding, spec.saturate, generator)
+        return round_signed_(xg.abs(), xg, spec.elem, spec.rounding, spec.saturate, generator)
+    v = in_scale_units(xg, gs.scale, spec, gs.inverse)
+    sign = v.clone() if spec.scale_order == "te" else xg  # "te": the signs after the multiply (+0 for a 0)
+    return round_signed_(v.abs_(), sign, spec.elem, spec.rounding, spec.saturate, generator)
 
 
 class Factored(NamedTuple):

@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from . import adaptive
+from . import adaptive, te_order
 from .native import compiling_for_cpu
 from .rounding import exp2i, floor_log2, round_to
 from .spec import QuantSpec
@@ -107,6 +107,7 @@ def scale_from_amax(
     spec: QuantSpec,
     tensor_scale: torch.Tensor | None = None,
     target: float | None = None,
+    tensor_encode: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dequant scale (fp32, on ``spec.scale_format``'s grid) for each group amax.
 
@@ -116,6 +117,7 @@ def scale_from_amax(
         tensor_scale: two-level scaling: the raw scale amax/max_elem is divided by this fp32 scale
             before it is rounded to scale_format (NVFP4).
         target: the element value amax maps to (default: the format's max; 4over6's other candidate: 4).
+        tensor_encode: in place of tensor_scale under ``scale_order = "te"``: the encode scale (``te_order``).
 
     Returns:
         fp32 scales of amax's shape, never below the scale format's smallest subnormal (smallest normal
@@ -126,7 +128,10 @@ def scale_from_amax(
     max_elem = elem.max if target is None else target
     smallest = smallest_scale(spec)
     if spec.scale_rounding == "exact":
-        s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
+        if tensor_encode is not None:
+            s = te_order.raw_block_scale(amax, tensor_encode, max_elem)
+        else:
+            s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
         if spec.margin:
             s = s * 2.0**spec.margin
         s = round_to(s, sfmt)
@@ -158,9 +163,10 @@ class GroupScales(NamedTuple):
     tensor_scale: torch.Tensor | None
     """The fp32 per-tensor scale of two-level scaling, else None."""
     inverse: torch.Tensor | None = None
-    """``1 / scale`` where the cast multiplies by it: where that is exact (power-of-two scales down to
-    2**-127: MX; ``x * inverse`` is then ``x / scale`` bit for bit, and a multiply is several times cheaper
-    than a divide in the cast's inner loop), and always under ``scale_apply = "reciprocal"``; else None."""
+    """What the cast multiplies by in place of dividing by ``scale``: ``1 / scale`` where that is exact
+    (power-of-two scales down to 2**-127: MX; the division's bits, and a multiply is several times cheaper in
+    the cast's inner loop), always under ``scale_apply = "reciprocal"`` (Transformer Engine's multiplier
+    under ``scale_order = "te"``, ``two_level_scales``); else None."""
 
 
 def tensor_scale_max(spec: QuantSpec) -> float:
@@ -176,6 +182,19 @@ def smallest_scale(spec: QuantSpec) -> float:
     return sfmt.min_normal if spec.scale_min == "normal" else sfmt.min_subnormal
 
 
+def two_level_scales(amax: torch.Tensor, tensor_amax: torch.Tensor, spec: QuantSpec) -> tuple:
+    """``(block scale, tensor scale, inverse)`` of two-level scaling from group amaxes and the tensor amax (or
+    each group's own: MoE's casts). Values dequantize with the tensor scale fl(tensor amax / (scale max x elem
+    max)), 1 for a zero tensor; ``inverse`` is Transformer Engine's in ``scale_order = "te"``, else None."""
+    top = tensor_scale_max(spec) * spec.elem.max
+    ts = torch.where(tensor_amax == 0, 1.0, tensor_amax / top)
+    if spec.scale_order != "te":
+        return scale_from_amax(amax, spec, tensor_scale=ts), ts, None
+    enc = te_order.encode_scale(tensor_amax, top)
+    bs = scale_from_amax(amax, spec, tensor_encode=enc)
+    return bs, ts, te_order.multiplier(bs, enc)
+
+
 def _inverse_exact(spec: QuantSpec) -> bool:
     """True when every scale of ``spec`` is a power of two whose inverse fp32 holds exactly (scales from
     the smallest, >= 2**-127, to 2**127; fp32-format power-of-two scales may go down to 2**-149, whose
@@ -183,12 +202,21 @@ def _inverse_exact(spec: QuantSpec) -> bool:
     return spec.scale_rounding != "exact" and smallest_scale(spec) >= 2.0**-127
 
 
-def in_scale_units(x: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def in_scale_units(
+    x: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, inverse: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x`` in units of its group's ``scale``, the value that is rounded onto the element grid: ``x / scale``,
-    or ``x * fl(1 / scale)`` under ``spec.scale_apply = "reciprocal"`` (the one place the two differ); 0 in a
-    group zeroed for underflow (``zero_underflowed``)."""
-    v = x * (1.0 / scale) if spec.scale_apply == "reciprocal" else x / scale
-    return zero_underflowed(v, scale, spec)
+    or ``x * fl(1 / scale)`` under ``spec.scale_apply = "reciprocal"`` (the one place the two differ), or
+    ``x * inverse`` where the caller has it (``GroupScales.inverse``; ``scale_order = "te"`` needs it, a
+    ValueError without, and makes its zeros +0); 0 in a group zeroed for underflow (``zero_underflowed``)."""
+    if inverse is not None:
+        v = x * inverse
+    elif spec.scale_order == "te":
+        raise ValueError(f"in_scale_units: {spec} multiplies by two_level_scales' inverse; none was passed")
+    else:
+        v = x * (1.0 / scale) if spec.scale_apply == "reciprocal" else x / scale
+    v = zero_underflowed(v, scale, spec)
+    return te_order.plus_zero(v) if spec.scale_order == "te" else v
 
 
 def zero_underflowed(v: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -221,11 +249,10 @@ def group_scales(
     if spec.scaling == "none":
         one = torch.ones_like(amax)
         return GroupScales(amax, one, one, None)
-    ts = None
     if spec.tensor_scale:
-        tamax = amax.amax()
-        ts = torch.where(tamax == 0, 1.0, tamax / (tensor_scale_max(spec) * spec.elem.max))
-    bs = scale_from_amax(amax, spec, tensor_scale=ts)
+        bs, ts, inv = two_level_scales(amax, amax.amax(), spec)
+    else:
+        bs, ts, inv = scale_from_amax(amax, spec), None, None
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)
         four = scale_from_amax(amax, spec, tensor_scale=ts, target=adaptive.TARGETS[1])
         bs = adaptive.choose(xg, (bs, four), ts, dims, spec.four_over_six, spec.scale_apply == "reciprocal")
@@ -234,10 +261,9 @@ def group_scales(
         and compiling_for_cpu(xg.device)
         and (own_buffer == "all" or xg.dim() - 1 not in dims)
     )
-    inv = None
-    if spec.scale_apply == "reciprocal":  # fl(1 / (block scale * tensor scale)), as it multiplies
+    if inv is None and spec.scale_apply == "reciprocal":  # fl(1 / (block x tensor scale)), as it multiplies
         inv = 1.0 / (bs if ts is None else bs * ts)
-    elif ts is None and _inverse_exact(spec):  # exact: the same bits as the division, and cheaper
+    elif inv is None and ts is None and _inverse_exact(spec):  # exact: the division's bits, and cheaper
         inv = 1.0 / bs
     if own:
         bs, inv = materialize(bs), None if inv is None else materialize(inv)

@@ -20,6 +20,7 @@ Source = Literal["high", "forward"]
 RhtSigns = Literal["seeded", "te"]
 ScaleApply = Literal["divide", "reciprocal"]
 ScaleUnderflow = Literal["clamp", "zero"]
+ScaleOrder = Literal["decode", "te"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 HIGH = "high"
@@ -92,6 +93,14 @@ class QuantSpec:
     the tensor amax in NVFP4): "clamp" (the scale format's smallest scale, ``scale_min``: its values are kept
     as well as that scale allows) or "zero" (the group becomes 0, as Transformer Engine's NVFP4 quantizer
     leaves it). "zero" needs ``scale_rounding = "exact"``."""
+    scale_order: ScaleOrder = "decode"
+    """The fp32 arithmetic of two-level scales: "decode" (ours: tensor scale fl(amax / 2688), block scale
+    round(fl(fl(amax_b / 6) / tensor scale)), 2688 = 448 x 6 for NVFP4) or "te" (Transformer Engine's NVFP4
+    quantizer: the tensor encode scale e = fl(2688 / amax), block scale round(fl(amax_b x fl(e x fl(1 / 6)))),
+    and the values multiplied by fl(1 / fl(block scale x fl(1 / e))), each capped at fp32's max; a value that
+    is 0 in scale units gets the +0 code). Either way a value dequantizes as (element x block scale) x
+    fl(amax / 2688). "te" needs ``tensor_scale``, "exact" scales, ``scale_apply = "reciprocal"`` and no
+    4over6."""
     amax_history: int = 0
     """Delayed scaling ("tensor" scaling only): 0 is current scaling (the amax of the tensor itself); N > 0
     takes the amax from the last N casts of this operand (a history the layer keeps, ``nn.delayed``), as
@@ -155,6 +164,17 @@ class QuantSpec:
                 "QuantSpec.scale_underflow='zero' needs scaled groups with scale_rounding 'exact', got "
                 f"{self.scaling!r}, {self.scale_rounding!r}"
             )
+        if self.scale_order == "te" and (
+            not self.tensor_scale
+            or self.scale_rounding != "exact"
+            or self.scale_apply != "reciprocal"
+            or self.four_over_six != "off"
+        ):
+            raise ValueError(
+                "QuantSpec.scale_order='te' needs tensor_scale=True, scale_rounding 'exact', scale_apply "
+                f"'reciprocal' and four_over_six 'off', got {self.tensor_scale}, {self.scale_rounding!r}, "
+                f"{self.scale_apply!r}, {self.four_over_six!r}"
+            )
         if self.amax_history and self.scaling != "tensor":
             raise ValueError(
                 f"QuantSpec.amax_history={self.amax_history} (delayed scaling) needs scaling 'tensor', "
@@ -196,6 +216,7 @@ class QuantSpec:
             extra += f",4/6{self.four_over_six}" if self.four_over_six != "off" else ""
             extra += ",recip" if self.scale_apply == "reciprocal" else ""
             extra += ",uf0" if self.scale_underflow == "zero" else ""
+            extra += ",teorder" if self.scale_order == "te" else ""
             extra += f",delayed{self.amax_history}{self.amax_compute}" if self.amax_history else ""
             where += f"({self.scale_format},{self.scale_rounding}{extra})"
         sat = "" if self.saturate else "/nosat"

@@ -17,13 +17,13 @@ from low_bits_training.formats import (
     Factored,
     QuantSpec,
     fake_quantize,
-    get_format,
     group_amax,
     grouped_shape,
     in_scale_units,
     round_to,
     scale_from_amax,
 )
+from low_bits_training.formats.scaling import two_level_scales
 
 from .cast import check_fits
 
@@ -55,16 +55,13 @@ def _round(t: torch.Tensor, spec: QuantSpec, key) -> torch.Tensor:
 
 def _two_level_scales(
     t: torch.Tensor, spec: QuantSpec, tamax: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block scale and per-group tensor scale of a two-level spec, in the grouped view of ``t``.
-
-    The tensor scale is ``formats.scaling.group_scales``'s, with the group's amax for the tensor's.
-    """
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Block scale, per-group tensor scale and multiplier of a two-level spec, in the grouped view of ``t``:
+    ``formats.scaling.two_level_scales`` with the group's amax for the tensor's."""
     gshape, dims = grouped_shape(t.shape, spec)
     block_amax = group_amax(t.reshape(gshape), dims)
-    ts = torch.where(tamax == 0, 1.0, tamax / (get_format(spec.scale_format).max * spec.elem.max))
-    ts = group_amax(ts.expand_as(t).reshape(gshape), dims)  # every block lies in one group
-    return scale_from_amax(block_amax, spec, tensor_scale=ts), ts
+    tamax = group_amax(tamax.expand_as(t).reshape(gshape), dims)  # every block lies in one group
+    return two_level_scales(block_amax, tamax, spec)
 
 
 def group_cast(
@@ -100,8 +97,8 @@ def group_cast(
     amax = _row_amax(t, spec, gid, groups)
     if spec.tensor_scale:
         gshape, _ = grouped_shape(t.shape, spec)
-        bs, ts = _two_level_scales(t, spec, amax)
-        q = _round(in_scale_units(t.reshape(gshape), bs * ts, spec), spec, key)  # over block * tensor scale
+        bs, ts, inv = _two_level_scales(t, spec, amax)
+        q = _round(in_scale_units(t.reshape(gshape), bs * ts, spec, inv), spec, key)  # block x tensor scale
         return Factored(q * bs, ts).value(in_place=True).reshape(t.shape)  # as fake_quantize dequantizes
     scale = scale_from_amax(amax, spec)  # the per-group scale, broadcast to each row (or element)
     return _round(in_scale_units(t, scale, spec), spec, key) * scale

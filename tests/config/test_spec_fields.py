@@ -126,17 +126,16 @@ DELAYED = QuantSpec(
     amax_compute="most_recent",
     scale_apply="reciprocal",
 )
+NVFP4_TE = QuantSpec.nvfp4(scale_apply="reciprocal", scale_order="te")
+"""scale_order "te" holds with neither of the two above (it needs two-level scales and no 4over6)."""
+SPECS = (NVFP4_4OVER6, DELAYED, NVFP4_TE)
 
 
 def test_a_rule_sets_each_field_of_the_spec():
     default = QuantSpec("e4m3")
-    unset = [
-        n
-        for n in RULE_SPEC_FIELDS
-        if all(getattr(s, n) == getattr(default, n) for s in (NVFP4_4OVER6, DELAYED))
-    ]
+    unset = [n for n in RULE_SPEC_FIELDS if all(getattr(s, n) == getattr(default, n) for s in SPECS)]
     assert unset == [], "give these fields a value other than the default in a spec of this test"
-    for want in (NVFP4_4OVER6, DELAYED):
+    for want in SPECS:
         rule = QuantRule(format=want.format, **{n: getattr(want, n) for n in RULE_SPEC_FIELDS})
         assert rule_spec(rule, default, "quantize.rules[0]") == want
         kept = QuantRule(**{n: getattr(want, n) for n in RULE_SPEC_FIELDS})  # format unset: the current one's
