@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -68,8 +69,6 @@ ML_DTYPES = {
 
 def ml_cast(x: torch.Tensor, name: str) -> torch.Tensor:
     """Round-trip through ml_dtypes (x as fp32 numpy -> format -> fp32)."""
-    import ml_dtypes
-
     dt = getattr(ml_dtypes, ML_DTYPES[name])
     with np.errstate(invalid="ignore", over="ignore"):
         arr = x.float().numpy().astype(dt).astype(np.float32)
@@ -78,8 +77,40 @@ def ml_cast(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def ml_codes(name: str) -> torch.Tensor:
     """ml_dtypes' value for every code of an <= 8-bit format, fp32 (codes in the low bits)."""
-    import ml_dtypes
 
     fmt = get_format(name)
     codes = np.arange(fmt.n_codes, dtype=np.uint8)
     return torch.from_numpy(codes.view(getattr(ml_dtypes, ML_DTYPES[name])).astype(np.float32))
+
+
+F32 = np.float32
+
+
+def te_scaled(x: np.ndarray, tile: int = 1) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """The first half of ``te_reference``: ``(values in scale units, e4m3 block scales, tensor scale)``, the
+    values (before the e2m1 cast) of shape (m / tile, tile, n / 16, 16), the block scales broadcast to it."""
+    m, n = x.shape
+    xb = x.astype(F32).reshape(m // tile, tile, n // 16, 16)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        amax = np.abs(x).max().astype(F32)
+        enc = np.minimum(F32(2688) / amax, np.finfo(F32).max).astype(F32)
+        enc = F32(1) if enc == 0 else enc
+        dec = F32(F32(1) / enc)
+        vmax = np.abs(xb).max(axis=(1, 3), keepdims=True).astype(F32)
+        block = np.minimum(vmax * F32(enc * F32(F32(1) / F32(6))), np.finfo(F32).max).astype(F32)
+        block = np.clip(block, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(F32)
+        mult = np.minimum(F32(1) / (block * dec).astype(F32), np.finfo(F32).max).astype(F32)
+        v = np.clip((xb * mult).astype(F32), -6, 6)
+    return v, block, F32(amax / F32(2688)) if amax else F32(1)
+
+
+def te_reference(x: np.ndarray, tile: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Transformer Engine's NVFP4 quantization (its published pure-PyTorch reference), written from its
+    algorithm in numpy fp32: ``(e2m1 values, e4m3 block scales, dequantized values)`` of a 2-D x, blocks of
+    ``tile`` x 16 (1: rows, 16: TE's 2-D weight tiles). Dequantized: value x block scale x fl(amax / 2688)."""
+    v, block, ts = te_scaled(x, tile)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = v.astype(ml_dtypes.float4_e2m1fn).astype(F32)
+        q = np.where(v == 0, F32(0), q)  # a 0 after the multiply is +0
+        deq = ((q * block).astype(F32) * ts).astype(F32)
+    return q.reshape(x.shape), block, deq.reshape(x.shape)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from formats_helpers import F32, te_reference
 
 from low_bits_training.config.quantize import QuantizeConfig, QuantRule
 from low_bits_training.errors import ConfigError
@@ -28,7 +28,6 @@ TILE_TE = QuantSpec(
     "e2m1", "tile", block_size=16, scale_format="ue4m3", tensor_scale=True, scale_apply="reciprocal",
     scale_order="te",
 )  # fmt: skip
-F32 = np.float32
 
 
 def codes(x: torch.Tensor, spec: QuantSpec) -> list[int]:
@@ -139,29 +138,6 @@ def test_per_expert_casts_take_each_experts_own_encode_scale():
     assert torch.equal(group_cast(x, TE, gid, 2), want)
     compiled = torch.compile(lambda t, g: group_cast(t, TE, g, 2), fullgraph=True)
     assert torch.equal(compiled(x, gid), want)
-
-
-def te_reference(x: np.ndarray, tile: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Transformer Engine's NVFP4 quantization (its published pure-PyTorch reference), written from its
-    algorithm in numpy fp32: ``(e2m1 values, e4m3 block scales, dequantized values)`` of a 2-D x, blocks of
-    ``tile`` x 16 (1: rows, 16: TE's 2-D weight tiles). Dequantized: value x block scale x fl(amax / 2688)."""
-    m, n = x.shape
-    xb = x.astype(F32).reshape(m // tile, tile, n // 16, 16)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        amax = np.abs(x).max().astype(F32)
-        enc = np.minimum(F32(2688) / amax, np.finfo(F32).max).astype(F32)
-        enc = F32(1) if enc == 0 else enc
-        dec = F32(F32(1) / enc)
-        vmax = np.abs(xb).max(axis=(1, 3), keepdims=True).astype(F32)
-        block = np.minimum(vmax * F32(enc * F32(F32(1) / F32(6))), np.finfo(F32).max).astype(F32)
-        block = np.clip(block, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(F32)
-        mult = np.minimum(F32(1) / (block * dec).astype(F32), np.finfo(F32).max).astype(F32)
-        v = np.clip((xb * mult).astype(F32), -6, 6)
-        q = v.astype(ml_dtypes.float4_e2m1fn).astype(F32)
-        q = np.where(v == 0, F32(0), q)  # a 0 after the multiply is +0
-        ts = F32(amax / F32(2688)) if amax else F32(1)
-        deq = ((q * block).astype(F32) * ts).astype(F32)
-    return q.reshape(m, n), block, deq.reshape(m, n)
 
 
 def tie_heavy(rows: int = 32, seed: int = 0) -> np.ndarray:
