@@ -23,6 +23,10 @@ it feeds, with the axis set to that GEMM's contraction dim (``nn.operands``). Co
   gradients stochastically rounded. Ablations (one part off each): nvfp4_no_rht, nvfp4_no_sr,
   nvfp4_1d_weights (weights in 1x16 blocks along each GEMM's contraction dim); nvfp4_4over6 adds 4over6
   adaptive block scaling (MSE choice) to every role.
+- nvfp4_te: ``nvfp4`` as Transformer Engine's NVFP4BlockScaling computes it (issue 38): the same roles, plus
+  TE's fixed RHT sign vector on the wgrad operands (``rht_signs = "te"``) and TE's scale arithmetic on every
+  role (``scale_apply = "reciprocal"``, ``scale_underflow = "zero"``, ``scale_order = "te"``); what is not
+  copied: docs/precision_plan.md, "nvfp4_te".
 - mxfp8_2d_weights / fp8_rowwise_2d_weights: transpose-safe weights: mxfp8 with 32x32 e8m0 weight tiles,
   fp8_rowwise with 128x128 fp32 weight tiles (deepseek_fp8 is the 1x128-activation variant of the latter).
 - fp8_delayed: Transformer Engine's DelayedScaling (HYBRID: e4m3 forward, e5m2 gradients; amax history of
@@ -43,6 +47,8 @@ _FP8_ROW = QuantSpec.fp8_rowwise(scale_rounding="rceil")
 _NVFP4_TILE = QuantSpec("e2m1", "tile", block_size=16, scale_format="ue4m3", tensor_scale=True)
 _NVFP4_RHT = 16
 """The RHT size of the nvfp4 recipe's weight-gradient GEMM (arXiv 2509.25149: 16 suffices at 12B scale)."""
+_TE_NVFP4 = dict(scale_apply="reciprocal", scale_underflow="zero", scale_order="te")
+"""The scale arithmetic of Transformer Engine's NVFP4 quantizer, on every role of ``nvfp4_te``."""
 
 
 def _by_operand(
@@ -60,9 +66,10 @@ def _hp_wgrad() -> dict[str, QuantSpec | None]:
 
 
 def _nvfp4(
-    rht: int = _NVFP4_RHT, sr: bool = True, weight_2d: bool = True, **extra
+    rht: int = _NVFP4_RHT, sr: bool = True, weight_2d: bool = True, signs: str = "seeded", **extra
 ) -> dict[str, QuantSpec | None]:
-    """NVIDIA's NVFP4 recipe, or an ablation of it (each argument switches one part)."""
+    """NVIDIA's NVFP4 recipe, or an ablation of it (each argument switches one part); ``signs`` is the wgrad
+    RHT's sign vector (``QuantSpec.rht_signs``), ``extra`` sets the same fields on every role."""
     grad = QuantSpec.nvfp4(rounding="stochastic" if sr else "nearest", **extra)
     specs = _by_operand(
         QuantSpec.nvfp4(**extra),
@@ -70,7 +77,7 @@ def _nvfp4(
         grad,
     )
     for role in ("wgrad.grad_output", "wgrad.input"):
-        specs[role] = replace(specs[role], rht=rht)
+        specs[role] = replace(specs[role], rht=rht, rht_signs=signs)
     return specs
 
 
@@ -97,6 +104,7 @@ RECIPES: dict[str, dict[str, QuantSpec | None]] = {
     "nvfp4_no_sr": _nvfp4(sr=False),
     "nvfp4_1d_weights": _nvfp4(weight_2d=False),
     "nvfp4_4over6": _nvfp4(four_over_six="mse"),
+    "nvfp4_te": _nvfp4(signs="te", **_TE_NVFP4),
     "mxfp8_2d_weights": _with(
         _by_operand(*[QuantSpec.mxfp8("e4m3", "rceil")] * 3),
         "weight",

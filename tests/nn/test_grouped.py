@@ -103,6 +103,7 @@ def test_pad_multiple_follows_the_token_blocks():
         "nvfp4_4over6": 16,
         "nvfp4_no_rht": 16,
         "nvfp4_no_sr": 16,
+        "nvfp4_te": 16,
     }
 
 

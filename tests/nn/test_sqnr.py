@@ -24,6 +24,7 @@ FLOORS = {
     "nvfp4_no_sr": (15.8, 15.7, 16.4),
     "nvfp4_1d_weights": (16.5, 14.5, 14.3),
     "nvfp4_4over6": (15.9, 14.2, 14.9),
+    "nvfp4_te": (15.8, 14.0, 14.3),  # TE's scale arithmetic and signs: nvfp4's SQNR to 0.1 dB
     "mxfp8_2d_weights": (27.5, 27.5, 27.5),
     "fp8_rowwise_2d_weights": (27.5, 27.5, 27.5),
     "fp8_delayed": (27.5, 23.5, 23.5),  # one call: an empty history scales as current scaling
