@@ -217,11 +217,32 @@ def test_binary_and_empty_toml(tmp_path, previous_run, content, expect):
         (("--training.stepz", "4"), "unknown flag '--training.stepz'; allowed keys in [training]:"),
         (("--training.steps", "abc"), "--training.steps: invalid literal for int()"),
         (("--training.local_batch_size", "0"), "training.local_batch_size = 0: expected an int >= 1"),
+        (
+            ("--memory.limit_gib", "-1"),
+            "memory.limit_gib = -1.0: expected a number >= 0 (0: the device's free",
+        ),
     ],
-    ids=["flag-typo", "flag-type", "zero-batch"],
+    ids=["flag-typo", "flag-type", "zero-batch", "memory-limit"],
 )
 def test_bad_flags(tmp_path, previous_run, args, expect):
     _refused(tmp_path, previous_run, *args, expect=expect)
+
+
+def test_a_run_planned_over_the_memory_limit_is_refused_before_any_rank(tmp_path, previous_run):
+    # titan/runtime/peak.py plans 0.43 GiB for this batch (0.22 with selective AC, which fits 0.92 x 0.3 GiB)
+    batch = ("--training.local_batch_size", "8", "--training.seq_len", "512")
+    line = _refused(
+        tmp_path,
+        previous_run,
+        *batch,
+        "--memory.limit_gib",
+        "0.3",
+        expect="memory: rank 0 would peak at 0.43 GiB",
+    )
+    assert (
+        "over 0.92 x 0.30 GiB (memory.limit_gib = 0.3); --activation_checkpoint selective plans 0.22 GiB"
+        in line
+    )
 
 
 def test_degrees_that_do_not_fit_the_processes(tmp_path, previous_run):

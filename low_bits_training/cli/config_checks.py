@@ -20,6 +20,7 @@ from low_bits_training.cli.plan_checks import (
 from low_bits_training.cli.resource_checks import (
     check_checkpoint_disk,
     check_dataset,
+    check_peak_memory,
     check_state_bytes,
     check_tokenizer,
 )
@@ -136,6 +137,7 @@ def config_checks(
     checks += [recipe_check(config, hw, r) for r in dict.fromkeys(extra_recipes)]
     budget, why = state_budget(config, env)
     checks.append(check_state_bytes(budget, why))
+    checks.append(check_peak_memory(config))
     if status.status == "OK":  # else the config row says the tokenizer is missing; data is the stand-in's
         checks += [check_tokenizer(config), check_dataset(config, env)]
     checks.append(check_checkpoint_disk(config, budget))

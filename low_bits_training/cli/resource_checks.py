@@ -9,6 +9,7 @@ from typing import Any
 
 from low_bits_training.cli.checks import Check, check_disk
 from low_bits_training.titan.launch.datasets import TOKENIZER_FILES, tokenizer_file
+from low_bits_training.titan.launch.validate import peak_check_of
 
 HUB_FREE_DATASETS = ("lbt_markov", "lbt_markov_validation")
 
@@ -76,6 +77,16 @@ def check_state_bytes(budget: Any, why: str | None) -> Check:
     total = sum(budget.nbytes.values())
     head = f"{per['total']:.2f} B/param x {budget.numel / 1e6:.2f} M params = {total / 2**30:.2f} GiB on all ranks"
     return Check("state bytes", "OK", f"{head}: {parts}")
+
+
+def check_peak_memory(config: Any) -> Check:
+    """Rank 0's planned peak memory and its parts, against the limit the launcher holds it to (the launcher's
+    own check, ``validate.check_peak``: a run over it is the config row's FAIL)."""
+    found = peak_check_of(config)
+    if found is None or found.plan is None:
+        why = found.why_not if found is not None else "not checked"
+        return Check("peak memory", "WARN", f"not planned: {why}", "see docs/memory.md")
+    return Check("peak memory", "OK", found.line())
 
 
 def checkpoint_bytes(config: Any, budget: Any) -> int | None:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from low_bits_training.formats import (
     QuantSpec,
@@ -275,8 +276,12 @@ class StateCodec:
         """
         if self.native:
             return {"": torch.zeros(shape, dtype=_NATIVE_DTYPES[self.spec.format], device=device)}
-        one = self.encode(torch.zeros(1, self.group, device=device))
+        with unset_fake_temporarily():  # one real block on the CPU, also under the memory planner's fake mode
+            one = {
+                s: (v.reshape(-1)[0].item(), v.dtype)
+                for s, v in self.encode(torch.zeros(1, self.group)).items()
+            }
         return {
-            s: torch.full(shp, one[s].reshape(-1)[0].item(), dtype=one[s].dtype, device=device)
+            s: torch.full(shp, one[s][0], dtype=one[s][1], device=device)
             for s, shp in self.part_shapes(tuple(shape)).items()
         }

@@ -8,6 +8,7 @@ parameter's mesh and placements and its own global shape, so DCP saves and resha
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -21,7 +22,10 @@ def global_offset(p: torch.Tensor) -> tuple[int, ...]:
     """Global index of the first element of this rank's shard of ``p`` (zeros for a plain tensor)."""
     if not isinstance(p, DTensor):
         return (0,) * p.dim()
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    with (
+        unset_fake_temporarily()
+    ):  # shape arithmetic (torch makes index tensors): real under the planner's fake mode
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return tuple(offset)
 
 
@@ -29,7 +33,8 @@ def shards_like(p: torch.Tensor, global_shape: tuple[int, ...], local_shape: tup
     """True when a tensor of ``global_shape`` placed like ``p`` has exactly ``local_shape`` on this rank."""
     if not isinstance(p, DTensor):
         return tuple(global_shape) == tuple(local_shape)
-    shape, _ = compute_local_shape_and_global_offset(global_shape, p.device_mesh, p.placements)
+    with unset_fake_temporarily():
+        shape, _ = compute_local_shape_and_global_offset(global_shape, p.device_mesh, p.placements)
     return tuple(shape) == tuple(local_shape)
 
 

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def allocated_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -38,9 +43,13 @@ def allocated_peak(fn: Callable[[], object], device: torch.device | str = "cpu")
         return torch.cuda.max_memory_allocated(device) - start
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    return _running_peak(prof.profiler.kineto_results.events())
+
+
+def _running_peak(events) -> int:
+    """The largest running sum of the profiler's CPU allocation (+) and free (-) events, in time order."""
     now = peak = 0
-    for e in events:
+    for e in sorted(events, key=lambda e: e.start_ns()):
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
             now += e.nbytes()
             peak = max(peak, now)
@@ -65,17 +74,25 @@ class HeldBytes:
         self.exclude = exclude
         self.net: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
+        self.start = 0
+        """Bytes of tensors alive when ``recording`` began (``live_tensor_bytes``)."""
+        self.peak = 0
+        """The most bytes allocated at once during ``recording``, above ``start`` (no span excluded)."""
 
     @contextlib.contextmanager
     def recording(self):
         """Around all the spans (a training step): the figures start from zero."""
         self.net, self.outputs = {}, {}
+        self.start = live_tensor_bytes(self.device)
         if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
             yield self
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
             return
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             yield self
         events = list(prof.profiler.kineto_results.events())
+        self.peak = _running_peak(events)
         skip = sorted(
             (e.start_ns(), e.end_ns()) for e in events if self.exclude and e.name().startswith(self.exclude)
         )
@@ -132,3 +149,118 @@ class HeldBytes:
     def held(self) -> dict[str, int]:
         """Span name -> bytes allocated inside it and held at its end, less its output (after ``recording``)."""
         return {name: net - self.outputs.get(name, 0) for name, net in self.net.items()}
+
+
+class LiveStorages(TorchDispatchMode):
+    """An allocator's count run on tensors with no memory (``FakeTensorMode``): every storage an op makes is
+    counted from the op that makes it until the last reference to it goes, tagged with the ``part`` it
+    belongs to (the ``phase`` when it was made unless ``add`` names one), and the peak is kept with the parts
+    live at that moment.
+
+    Each storage counts ``nbytes`` rounded up to ``round_to`` bytes (512 on CUDA, as its caching allocator
+    hands out blocks; 1 on the CPU). A storage is counted once however many tensors view it; tensor
+    subclasses by their inner tensors. ``UntypedStorage.resize_`` (FSDP2 frees its all-gather buffers this
+    way) is followed while the count runs.
+    """
+
+    def __init__(self, round_to: int = 1):
+        super().__init__()
+        self.round_to = round_to
+        self.phase = "other"
+        """The part a storage made now belongs to (set by the caller: forward and backward, optimizer)."""
+        self.now = 0
+        self.peak = 0
+        self.peak_phase = self.phase
+        self._live: dict[int, list] = {}  # id -> [bytes, part]
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._at_peak: list[list] = []
+        self._resize = None
+
+    def _bytes(self, n: int) -> int:
+        return -(-n // self.round_to) * self.round_to
+
+    def add(self, t: torch.Tensor, part: str | None = None) -> None:
+        """Count ``t``'s storages (made before the count started, or to retag one with ``part``)."""
+        for st in get_untyped_storages(t):
+            info = self._seen.get(st)
+            if info is not None:
+                info[1] = part or info[1]
+                continue
+            info = [self._bytes(st.nbytes()), part or self.phase]
+            self._seen[st] = info
+            self._live[id(info)] = info
+            weakref.finalize(st, self._free, info)
+            self._grow(info[0])
+
+    def _grow(self, n: int) -> None:
+        self.now += n
+        if self.now > self.peak:
+            self.peak, self.peak_phase = self.now, self.phase
+            self._at_peak = list(self._live.values())
+            self._peak_bytes = [i[0] for i in self._at_peak]
+
+    def _free(self, info: list) -> None:
+        if self._live.pop(id(info), None) is not None:
+            self.now -= info[0]
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
+        self.peak, self.peak_phase = -1, self.phase
+        self._grow(0)
+
+    def parts(self) -> dict[str, int]:
+        """Part -> bytes live at the peak (a part's tag as it is now: ``add`` may retag after the peak)."""
+        out: dict[str, int] = {}
+        for info, n in zip(self._at_peak, self._peak_bytes, strict=True):
+            out[info[1]] = out.get(info[1], 0) + n
+        return out
+
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        original = self._resize
+
+        def resize_(st, size):
+            original(st, size)
+            info = self._seen.get(st)
+            if info is not None and info[0] != self._bytes(st.nbytes()):
+                new = self._bytes(st.nbytes())
+                if id(info) in self._live:
+                    self.now -= info[0]
+                    info[0] = new
+                    self._grow(new)
+                else:
+                    info[0] = new
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+
+def live_tensor_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes of every tensor storage alive in this process on ``device`` (on CUDA: what the allocator holds,
+    ``torch.cuda.memory_allocated``; on the CPU, each distinct storage of the tensors Python can reach, found
+    through the garbage collector)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): a dead weakref.proxy raises on isinstance
+            continue
+        try:
+            for st in get_untyped_storages(obj):
+                if st.device.type == device.type and st.nbytes():
+                    seen[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError, AssertionError):  # a tensor without storage (meta, sparse)
+            continue
+    return sum(seen.values())

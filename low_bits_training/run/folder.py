@@ -88,6 +88,14 @@ STATE_BYTES_METRIC = "memory/state_bytes_per_param"
 """Metric prefix of the measured bytes per parameter: ``<prefix>/<state>``, ``<prefix>/total``, and the
 computed ``<prefix>/plan_total``; logged once, at a process's first step."""
 
+PEAK_JSON = "peak_memory.json"
+"""Rank 0's planned peak memory (``titan/runtime/peak.py``, from the launcher) beside the peak the allocator
+measured on the step ``allocator_meter`` measures (the second a process runs)."""
+PEAK_PLAN_ENV = "LBT_PEAK_PLAN"
+"""The launcher's planned peak (``PeakPlan.to_json``) handed to its ranks."""
+PEAK_METRIC = "memory/peak_gib"
+"""Metric prefix of the peak: ``<prefix>/measured`` and ``<prefix>/planned``, logged once."""
+
 PLAN_TEXT = "precision_plan.txt"
 """The plan table of the run (one per phase with a schedule), as logged at the start
 (``titan/targets/registry.py``)."""

@@ -50,7 +50,7 @@ from low_bits_training.titan.launch.torchrun import (
     torchrun_args,
     world_size,
 )
-from low_bits_training.titan.launch.validate import check_run
+from low_bits_training.titan.launch.validate import check_peak, check_run, peak_check_of
 from low_bits_training.titan.launch.worker import build_config
 from low_bits_training.titan.platform import cpu
 from low_bits_training.titan.platform.devices import (
@@ -180,7 +180,9 @@ def check(training: list[str], processes: int, here: bool = True):
         config = build_config(training)
         if here:
             check_accelerator(config, processes)
-        return config, check_run(config, processes)
+        resume = check_run(config, processes)
+        check_peak(config, processes, here)
+        return config, resume
 
 
 def nothing_to_do(config, resume: str | None) -> str | None:
@@ -222,7 +224,9 @@ def main(argv: list[str] | None = None, notes: Callable[[Any], list[str]] | None
     done = nothing_to_do(config, resume)
     if done is not None:
         print(done, file=sys.stderr)
-    for line in notes(config) if notes is not None and done is None else ():
+    peak = peak_check_of(config)
+    lines = [f"memory: {peak.line()}"] if peak is not None and done is None else []
+    for line in lines + (notes(config) if notes is not None and done is None else []):
         print(f"low-bits-training: {line}", file=sys.stderr, flush=True)
     if check_only or done is not None:
         return ExitCode.OK

@@ -8,6 +8,7 @@ import torch
 from torchtitan.trainer import Trainer
 
 from low_bits_training.config.job import JobConfig
+from low_bits_training.config.memory import MemoryConfig
 from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.config.profiling import ProfilingConfig
 from low_bits_training.config.quantize import QuantizeConfig
@@ -20,6 +21,7 @@ from low_bits_training.titan.runtime import budget
 from low_bits_training.titan.runtime.autopilot import run_step
 from low_bits_training.titan.runtime.manifest import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
+from low_bits_training.titan.runtime.peak import log_peak
 from low_bits_training.titan.targets.collectives import log_comm_bytes
 from low_bits_training.titan.targets.delayed import install as install_amax_group
 from low_bits_training.titan.targets.experts import zero_expert_counts
@@ -67,6 +69,8 @@ class LowBitsTrainer(Trainer):
         """``[numerics]``: quantization statistics every N steps, NaN / Inf policy (docs/numerics.md)."""
         profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
         """``[profiling]``: extras beside torchtitan's ``[profiler]``: FLOP table, CPU memory timeline."""
+        memory: MemoryConfig = field(default_factory=MemoryConfig)
+        """``[memory]``: the peak-memory plan's limit and check (docs/memory.md)."""
 
         def to_dict(self) -> dict:
             # What torchtitan prints (debug.print_config), saves (debug.save_config_file) and sends to W&B.
@@ -96,6 +100,7 @@ class LowBitsTrainer(Trainer):
         with extras_for(self).step(self.step), allocator_meter(self):
             super().train_step(batches)
         log_comm_bytes(self)  # [quantize.comm] bytes on the wire this step (titan/targets/collectives.py)
+        log_peak(self)  # the peak the allocator measured on one step, beside the plan (titan/runtime/peak.py)
         # [[quantize.saved]] bytes kept for the backward (titan/targets/saved.py), by the allocator on one step
         per_token = log_saved_bytes(self)
         if per_token is None or "allocator" in per_token:

@@ -23,6 +23,7 @@ from low_bits_training.nn import saved as nn_saved
 from low_bits_training.nn.state import clean_fqn
 from low_bits_training.optim.codec import StateCodec, read_scales, store_scales
 from low_bits_training.optim.memory import HeldBytes
+from low_bits_training.titan.platform.compat import profiler_running
 from low_bits_training.titan.targets.kind import TargetKind
 
 
@@ -206,17 +207,24 @@ def format_saved(formats: dict[str, SavedFormat]) -> str:
 
 @contextlib.contextmanager
 def allocator_meter(trainer):
-    """Around one attempt at a step: on the step the allocator measures (the second this process runs, or its
-    first when the run ends there) each hooked module's call is a span of ``optim.memory.HeldBytes``
-    (``nn.saved.METER``); the spans' figures go to ``log_saved_bytes``. Nothing on other steps or without
-    ``[[quantize.saved]]``. On the CPU the step runs under the profiler's memory events (slower, once)."""
+    """Around one attempt at a step: the step the allocator measures (the second this process runs, or its
+    first when the run ends there) runs under ``optim.memory.HeldBytes``: its peak (``titan/runtime/peak.py``
+    ``log_peak`` holds it beside the plan) and each hooked module's call as a span (``nn.saved.METER``;
+    the spans' figures go to ``log_saved_bytes``). Nothing on other steps. On the CPU that step runs under the
+    profiler's memory events (slower, once); not at all while another profiler records (torchtitan's
+    ``[profiler]`` window or ``profiling.memory_timeline_step`` on that step: two cannot run at once)."""
     first = trainer.__dict__.setdefault("_lbt_saved_first", trainer.step)
     measured = trainer.step == first + 1 or trainer.step == first == trainer.config.training.steps
     trainer._lbt_saved_meter = None
-    if not measured or not any(hasattr(m, "lbt_saved") for p in trainer.model_parts for m in p.modules()):
+    if not measured or profiler_running():
         yield
         return
     device = next(p.device for part in trainer.model_parts for p in part.parameters())
+    if device.type == "cpu":
+        # What torchtitan's train_step does first, done here before the count starts: the CPU allocator reports
+        # to the profiler only the frees of what it made while the profiler ran, so the last step's gradients,
+        # dropped there, would be counted as held through this step's peak.
+        trainer.optimizers.zero_grad(set_to_none=trainer.config.training.disable_cuda_graphs)
     meter = HeldBytes(device, exclude=("FSDP::",))
     nn_saved.METER = meter
     try:

@@ -1,0 +1,420 @@
+"""The peak memory of one rank of a run, planned before the run starts: the run's own model, parallelisms and
+optimizers built on tensors with no memory, two training steps run on them, every storage counted.
+
+``plan_peak`` builds what the trainer builds (``config.model_spec.model.build()`` with the precision plan the
+launcher resolved, the spec's ``parallelize_fn``: FSDP2, TP, activation checkpointing, ``[[quantize.saved]]``
+hooks; ``config.optimizer.build``; ``config.loss.build``) on the meta device, on a fake process group of the
+run's size (``torch.testing._internal.distributed.fake_pg``: collectives return at once with tensors of the
+right shapes) under ``FakeTensorMode``, gives it memory-less storage (``to_empty``), and runs torchtitan's own
+step code on it (``Trainer.post_dataloading_process`` and ``Trainer._forward_backward_body`` on a stand-in
+trainer, then the optimizers' ``step`` and ``zero_grad``) for two steps of the run's local batch, with at most
+two microbatches each. ``optim.memory.LiveStorages`` counts every storage an op makes, from the op that makes
+it until its last reference goes: the count of an allocator, rounded to 512 B on CUDA. The first step makes the
+optimizer states; the second is every later step. The plan is rank 0's (FSDP2 pads its shards evenly).
+
+Not planned yet (``plan_peak`` says why, and the run is not refused): pipeline parallelism. Planned as eager:
+a compiled run (the fake step runs eagerly; torch.compile saves fewer activations, so the plan is above
+what a compiled step holds). Not counted: the allocator's cache and fragmentation beyond the 512-B rounding
+(``torch.cuda.memory_reserved`` is larger than what the plan says), CUDA and NCCL's own workspaces, tensors
+outside the step (the dataloader's prefetch, the autopilot's host snapshot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import multiprocessing
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from low_bits_training.optim.budget import StateBytes
+from low_bits_training.optim.memory import LiveStorages
+from low_bits_training.run.folder import PEAK_JSON, PEAK_METRIC, PEAK_PLAN_ENV, write_atomic
+from low_bits_training.titan.platform.ranks import rank
+from low_bits_training.titan.runtime.budget import planned
+
+PARTS = ("parameters", "buffers", "gradients", "optimizer states", "forward and backward", "optimizer step")
+"""What the plan names at the peak, in this order: the parameters as each rank stores them (FSDP2's shards),
+the modules' buffers (RoPE's table), the gradients, the optimizer states, what the forward and backward make
+(saved activations, FSDP2's gathered parameters and gradient buffers, logits, workspace), and what the
+optimizer's step makes (its workspace)."""
+MICROBATCHES = 2
+"""Microbatches per planned step at most: from the second on, gradients are held while a microbatch runs."""
+
+
+@dataclass
+class PeakPlan:
+    """One rank's planned peak (bytes) and what is live at it."""
+
+    first: int
+    """The first step's peak (the optimizer states are made in it)."""
+    later: int
+    """A later step's peak (states held throughout)."""
+    parts: dict[str, int] = field(default_factory=dict)
+    """Part (``PARTS``) -> bytes live at the larger of the two peaks."""
+    phase: str = ""
+    """Where the larger peak falls: ``forward and backward`` or ``optimizer step``."""
+    ranks: int = 1
+    round_to: int = 1
+
+    @property
+    def peak(self) -> int:
+        return max(self.first, self.later)
+
+    def largest(self, n: int = 3) -> list[tuple[str, int]]:
+        """The ``n`` largest parts, largest first."""
+        return sorted(self.parts.items(), key=lambda kv: -kv[1])[:n]
+
+    def summary(self) -> str:
+        """``1.23 GiB (first step 1.23, later steps 1.20; at the peak: gradients 0.50, ...)``."""
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in self.largest(len(self.parts)))
+        return (
+            f"{gib(self.peak)} GiB on rank 0 (first step {gib(self.first)}, later steps {gib(self.later)}; "
+            f"at the peak, in the {self.phase}: {parts})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peak": self.peak,
+            "first_step": self.first,
+            "later_steps": self.later,
+            "parts": self.parts,
+            "phase": self.phase,
+            "ranks": self.ranks,
+            "round_to": self.round_to,
+        }
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB with two decimals (one home for the figures the plan prints)."""
+    return f"{n / 2**30:.2f}"
+
+
+class NotPlanned(Exception):
+    """A run the planner cannot plan (one line: why)."""
+
+
+def _check_plannable(config: Any) -> None:
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise NotPlanned("pipeline parallelism is not planned yet")
+    if dist.is_initialized():
+        raise NotPlanned("a process group is already running in this process")
+
+
+@contextlib.contextmanager
+def _fake_group(world_size: int):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _stand_in(
+    config: Any, model_config: Any, model: torch.nn.Module, dims: ParallelDims, loss_fn
+) -> SimpleNamespace:
+    """What torchtitan's step methods read from a trainer."""
+    return SimpleNamespace(
+        model_parts=[model],
+        loss_fn=loss_fn,
+        train_context=contextlib.nullcontext,
+        model_config=model_config,
+        parallel_dims=dims,
+        config=config,
+        ntokens_seen=0,
+    )
+
+
+def _microbatches(config: Any, dims: ParallelDims) -> int:
+    t = config.training
+    dp = dims.dp_replicate * dims.dp_shard if dims.dp_enabled else 1
+    steps = t.global_batch_size // (t.local_batch_size * dp) if t.global_batch_size > 0 else 1
+    return max(1, min(steps, MICROBATCHES))
+
+
+def _tag_step_state(count: LiveStorages, model: torch.nn.Module, optimizers) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            count.add(p.grad, "gradients")
+    for opt in optimizers.optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    count.add(v, "optimizer states")
+
+
+FAKE_REFUSALS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)
+"""What an op raises on tensors with no values when it needs them."""
+
+
+def _state_stand_ins(budget: StateBytes | None, ranks: int, optimizers) -> list[torch.Tensor]:
+    """For an optimizer whose step cannot run without values: its states as ``optim.budget`` counts them (equal
+    to the live states to the byte: tests/titan/runtime/test_budget_train.py), rank 0's share, as byte tensors;
+    what its step makes beside them is not counted. The states it made before it stopped are dropped.
+
+    Raises:
+        NotPlanned: no byte model for this optimizer either.
+    """
+    if budget is None:
+        raise NotPlanned("the optimizer's step needs values and it has no byte model (optim/budget.py)")
+    for opt in optimizers.optimizers:
+        opt.state.clear()
+    own = (s for s in budget.nbytes if s not in ("params", "grads"))
+    return [torch.empty(-(-budget.nbytes[s] // max(1, ranks)), dtype=torch.uint8) for s in own]
+
+
+def _budget(config: Any, world_size: int) -> StateBytes | None:
+    try:
+        return planned(config, world_size)
+    except ValueError:  # an optimizer without a byte model: its step has to run under the fake mode
+        return None
+
+
+def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable[[Any], Any]) -> PeakPlan:
+    """Rank 0's planned peak of ``config`` (as the launcher resolved it: ``worker.build_config``) on
+    ``world_size`` ranks whose tensors live on ``device_type``; ``model_of(config)`` is the model config as the
+    trainer holds it (``validate.model_as_trained``: ``max_seq_len`` from ``training.seq_len``, RoPE's
+    table sized by it).
+
+    Raises:
+        NotPlanned: a run the planner does not plan (pipeline parallelism), or a process group is running.
+    """
+    _check_plannable(config)
+    compile_off = copy.deepcopy(config.compile)
+    compile_off.enable = False  # torch.compile cannot trace under the counting mode: planned as eager
+    count = LiveStorages(round_to=512 if device_type == "cuda" else 1)
+    with _fake_group(world_size), tempfile.TemporaryDirectory(prefix="lbt-peak-") as scratch:
+        dims = ParallelDims.from_config(config.parallelism, world_size)
+        dims.build_mesh()  # before the fake mode: the meshes read their ranks from real tensors
+        dims.get_all_one_dimensional_meshes()
+        budget = _budget(config, world_size)  # before the count: it builds the model on meta
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            peaks = _two_steps(config, model_of(config), dims, scratch, compile_off, count, budget)
+    (first, first_parts, first_phase), (later, later_parts, later_phase) = peaks
+    parts, phase = (first_parts, first_phase) if first >= later else (later_parts, later_phase)
+    ordered = {p: parts[p] for p in PARTS if parts.get(p)}
+    return PeakPlan(first, later, ordered, phase, world_size, count.round_to)
+
+
+def _two_steps(
+    config: Any,
+    model_config: Any,
+    dims: ParallelDims,
+    scratch: str,
+    compile_off: Any,
+    count: LiveStorages,
+    budget: StateBytes | None,
+) -> list:
+    """Build the run on fake tensors and count two steps: [(peak, parts, phase)] of each."""
+    t = config.training
+    spec = config.model_spec
+    with torch.device("meta"):
+        model = model_config.build()
+    model = spec.parallelize_fn(
+        model,
+        parallel_dims=dims,
+        training=t,
+        parallelism=config.parallelism,
+        compile_config=compile_off,
+        ac_config=config.activation_checkpoint,
+        dump_folder=scratch,
+    )
+    model.to_empty(device="cpu")
+    model.train()
+    optimizers = config.optimizer.build(model_parts=[model])
+    loss_fn = config.loss.build(compile_config=compile_off)
+    if isinstance(loss_fn, ChunkedLossWrapper):  # as the trainer sets it up
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+    trainer = _stand_in(config, model_config, model, dims, loss_fn)
+    for p in model.parameters():
+        count.add(p, "parameters")
+    for b in model.buffers():
+        count.add(b, "buffers")
+    shape = (t.local_batch_size, t.seq_len)
+    tokens = torch.zeros(shape, dtype=torch.long)
+    positions = torch.arange(t.seq_len).repeat(t.local_batch_size, 1)
+    valid = torch.tensor(float(t.local_batch_size * t.seq_len))
+    peaks, stand_ins = [], []
+    with count:
+        for _ in range(2):
+            count.phase = "forward and backward"
+            # at the step's start, as torchtitan's train_step: a later step begins with the last one's gradients
+            optimizers.zero_grad(set_to_none=t.disable_cuda_graphs)
+            for _ in range(_microbatches(config, dims)):
+                inputs, labels, extra = Trainer.post_dataloading_process(
+                    trainer, {"input": tokens, "positions": positions}, tokens.clone()
+                )
+                Trainer._forward_backward_body(trainer, inputs, labels, valid, extra)
+                _tag_step_state(count, model, optimizers)
+            count.phase = "optimizer step"
+            if not stand_ins:
+                try:
+                    optimizers.step()
+                except FAKE_REFUSALS:  # an update that reads values (our low-bit optimizers' step counter)
+                    stand_ins.extend(_state_stand_ins(budget, dims.world_size, optimizers))
+            _tag_step_state(count, model, optimizers)
+            for t_ in stand_ins:
+                count.add(t_, "optimizer states")
+            peaks.append((count.peak, count.parts(), count.peak_phase))
+            count.reset_peak()
+    return peaks
+
+
+def planned_for_ranks() -> dict | None:
+    """The plan the launcher made for this run (``PEAK_PLAN_ENV``), or None (no plan: started without the
+    launcher, or a run it did not plan)."""
+    text = os.environ.get(PEAK_PLAN_ENV)
+    return json.loads(text) if text else None
+
+
+def log_peak(trainer) -> dict | None:
+    """After the step ``allocator_meter`` measured: this rank's measured peak (tensors alive at the step's
+    start plus the most the step allocated above them), beside the launcher's plan; rank 0 logs both and
+    writes ``peak_memory.json``, the metrics rank logs ``memory/peak_gib/*``. None on other steps."""
+    meter = getattr(trainer, "_lbt_saved_meter", None)
+    if meter is None or getattr(trainer, "_lbt_peak_done", False):
+        return None
+    trainer._lbt_peak_done = True
+    plan = planned_for_ranks()
+    measured = {"peak": meter.start + meter.peak, "at_start": meter.start, "step": trainer.step}
+    metrics = {f"{PEAK_METRIC}/measured": measured["peak"] / 2**30}
+    if plan is not None:
+        metrics[f"{PEAK_METRIC}/planned"] = plan["later_steps"] / 2**30
+    trainer.metrics_processor.logger.log(metrics, trainer.step)
+    out = {"planned": plan, "measured": measured}
+    if rank() != 0:
+        return out
+    said = f"measured {gib(measured['peak'])} GiB at step {trainer.step} on rank 0"
+    if plan is not None:
+        off = measured["peak"] / plan["later_steps"] - 1 if plan["later_steps"] else 0.0
+        said += f", planned {gib(plan['later_steps'])} ({off:+.1%})"
+    logger.info(f"Peak memory: {said}")
+    os.makedirs(trainer.config.dump_folder, exist_ok=True)
+    write_atomic(os.path.join(trainer.config.dump_folder, PEAK_JSON), json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _candidates(config: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``[(command-line flags, {config attribute: value})]`` of the changes ``cheapest_fit`` tries, cheapest
+    first: selective activation checkpointing (recomputes the cheap ops; where no AC runs), full (recomputes
+    each block), then the local batch halved while above 1 (the global batch kept by gradient accumulation)."""
+    out = []
+    ac = config.activation_checkpoint
+    if ac is None:
+        out.append(("--activation_checkpoint selective", {"activation_checkpoint": SelectiveAC.Config()}))
+    if not isinstance(ac, FullAC.Config):
+        out.append(("--activation_checkpoint full", {"activation_checkpoint": FullAC.Config()}))
+    t = config.training
+    keep = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size
+    batch = t.local_batch_size
+    while batch > 1:
+        batch //= 2
+        flags = f"--training.local_batch_size {batch} --training.global_batch_size {keep}"
+        out.append((flags, {"training.local_batch_size": batch, "training.global_batch_size": keep}))
+    return out
+
+
+def _owner(config: Any, key: str) -> tuple[Any, str]:
+    *path, name = key.split(".")
+    for part in path:
+        config = getattr(config, part)
+    return config, name
+
+
+@contextlib.contextmanager
+def _changed(config: Any, changes: dict[str, Any]):
+    """``config`` with ``changes`` (dotted attribute paths) applied, restored after."""
+    old = {}
+    for key, value in changes.items():
+        owner, name = _owner(config, key)
+        old[key] = getattr(owner, name)
+        setattr(owner, name, value)
+    try:
+        yield config
+    finally:
+        for key, value in old.items():
+            owner, name = _owner(config, key)
+            setattr(owner, name, value)
+
+
+def cheapest_fit(
+    config: Any, world_size: int, limit: int, device_type: str, model_of: Callable[[Any], Any], tries: int = 4
+) -> list[tuple[str, PeakPlan]]:
+    """The changes of ``_candidates`` planned in order (at most ``tries``), until one brings the planned peak
+    under ``limit`` bytes: ``[(flags, PeakPlan)]`` of those tried, the one that fits (if any) last."""
+    out = []
+    for flags, changes in _candidates(config)[:tries]:
+        with _changed(config, changes):
+            plan = plan_peak(config, world_size, device_type, model_of)
+        out.append((flags, plan))
+        if plan.peak <= limit:
+            break
+    return out
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send(("ok", fn(*args)))
+    except NotPlanned as e:
+        conn.send(("not planned", str(e)))
+    except BaseException as e:  # said by the parent, with its traceback
+        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def in_child(fn, *args):
+    """``fn(*args)`` in a forked child process, its result returned here. The planner runs autograd on fake
+    tensors; done in the launcher itself, its ranks forked after (torchrun on the CPU) could not run
+    autograd ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
+
+    Raises:
+        NotPlanned: what ``fn`` raised as such; any other failure as ``NotPlanned`` naming it (the caller
+            says it in a warning: the run goes on unplanned).
+    """
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        kind, value = parent.recv()
+    except EOFError:
+        kind, value = "failed", f"the planning process ended with exit code {proc.join() or proc.exitcode}"
+    proc.join()
+    if kind == "ok":
+        return value
+    raise NotPlanned(value if kind == "not planned" else f"the planner failed: {value}")
+
+
+def plan_and_fit(
+    config: Any, world_size: int, device_type: str, model_of: Callable[[Any], Any], limit: int
+) -> tuple[PeakPlan, list]:
+    """The plan, and over ``limit`` bytes (0: none) the changes ``cheapest_fit`` tried."""
+    plan = plan_peak(config, world_size, device_type, model_of)
+    fits = (
+        cheapest_fit(config, world_size, limit, device_type, model_of) if limit and plan.peak > limit else []
+    )
+    return plan, fits
