@@ -9,7 +9,7 @@ from typing import Any
 
 from low_bits_training.cli.checks import Check, check_disk
 from low_bits_training.titan.launch.datasets import TOKENIZER_FILES, tokenizer_file
-from low_bits_training.titan.launch.validate import peak_check_of
+from low_bits_training.titan.launch.memory import peak_check_of
 
 HUB_FREE_DATASETS = ("lbt_markov", "lbt_markov_validation")
 

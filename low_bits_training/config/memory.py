@@ -1,5 +1,5 @@
 """``[memory]``: the peak-memory plan's limit and check (a ``Section``: checked when built). The plan itself is
-``titan/runtime/peak.py``; the launcher's check is ``titan/launch/validate.py`` ``check_peak``; see
+``titan/runtime/peak.py``; the launcher's check is ``titan/launch/memory.py`` ``check_peak``; see
 docs/memory.md."""
 
 from __future__ import annotations

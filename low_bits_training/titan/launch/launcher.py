@@ -43,6 +43,7 @@ from torch.distributed.run import determine_local_world_size
 
 from low_bits_training.errors import ConfigError
 from low_bits_training.run.exits import ExitCode, classify
+from low_bits_training.titan.launch.memory import check_peak, peak_check_of
 from low_bits_training.titan.launch.torchrun import (
     run_torchrun,
     show_the_loss,
@@ -50,7 +51,7 @@ from low_bits_training.titan.launch.torchrun import (
     torchrun_args,
     world_size,
 )
-from low_bits_training.titan.launch.validate import check_peak, check_run, peak_check_of
+from low_bits_training.titan.launch.validate import check_run
 from low_bits_training.titan.launch.worker import build_config
 from low_bits_training.titan.platform import cpu
 from low_bits_training.titan.platform.devices import (

@@ -1,33 +1,20 @@
-"""The peak memory of one rank of a run, planned before the run starts: the run's own model, parallelisms and
-optimizers built on tensors with no memory, two training steps run on them, every storage counted.
+"""The peak memory of one rank of a run, planned before the run starts (docs/memory.md, "Peak memory").
 
-``plan_peak`` builds what the trainer builds (``config.model_spec.model.build()`` with the precision plan the
-launcher resolved, the spec's ``parallelize_fn``: FSDP2, TP, activation checkpointing, ``[[quantize.saved]]``
-hooks; ``config.optimizer.build``; ``config.loss.build``) on the meta device, on a fake process group of the
-run's size (``torch.testing._internal.distributed.fake_pg``: collectives return at once with tensors of the
-right shapes) under ``FakeTensorMode``, gives it memory-less storage (``to_empty``), and runs torchtitan's own
-step code on it (``Trainer.post_dataloading_process`` and ``Trainer._forward_backward_body`` on a stand-in
-trainer, then the optimizers' ``step`` and ``zero_grad``) for two steps of the run's local batch, with at most
-two microbatches each. ``optim.memory.LiveStorages`` counts every storage an op makes, from the op that makes
-it until its last reference goes: the count of an allocator, rounded to 512 B on CUDA. The first step makes the
-optimizer states; the second is every later step. The plan is rank 0's (FSDP2 pads its shards evenly).
-
-Not planned yet (``plan_peak`` says why, and the run is not refused): pipeline parallelism. Planned as eager:
-a compiled run (the fake step runs eagerly; torch.compile saves fewer activations, so the plan is above
-what a compiled step holds). Not counted: the allocator's cache and fragmentation beyond the 512-B rounding
-(``torch.cuda.memory_reserved`` is larger than what the plan says), CUDA and NCCL's own workspaces, tensors
-outside the step (the dataloader's prefetch, the autopilot's host snapshot).
+``plan_peak`` builds what the trainer builds (the model with the launcher's precision plan, the spec's
+``parallelize_fn``, ``config.optimizer.build``, ``config.loss.build``) on a fake process group of the run's
+size under ``FakeTensorMode`` and runs torchtitan's own step code (``Trainer.post_dataloading_process``,
+``Trainer._forward_backward_body``, the optimizers' ``step``) for two steps of the local batch, at most two
+microbatches each. ``optim.memory.LiveStorages`` counts every storage from the op that makes it until its last
+reference goes (512-B blocks on CUDA). The first step makes the optimizer states; the second is every later
+step. Not planned: pipeline parallelism. Planned as eager: compiled runs (above what they hold). Not counted:
+the allocator's cache and fragmentation, CUDA / NCCL workspaces, tensors outside the step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import multiprocessing
-import os
 import tempfile
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -44,14 +31,10 @@ from torch._subclasses.fake_tensor import (
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from low_bits_training.optim.budget import StateBytes
 from low_bits_training.optim.memory import LiveStorages
-from low_bits_training.run.folder import PEAK_JSON, PEAK_METRIC, PEAK_PLAN_ENV, write_atomic
-from low_bits_training.titan.platform.ranks import rank
 from low_bits_training.titan.runtime.budget import planned
 
 PARTS = ("parameters", "buffers", "gradients", "optimizer states", "forward and backward", "optimizer step")
@@ -280,141 +263,3 @@ def _two_steps(
             peaks.append((count.peak, count.parts(), count.peak_phase))
             count.reset_peak()
     return peaks
-
-
-def planned_for_ranks() -> dict | None:
-    """The plan the launcher made for this run (``PEAK_PLAN_ENV``), or None (no plan: started without the
-    launcher, or a run it did not plan)."""
-    text = os.environ.get(PEAK_PLAN_ENV)
-    return json.loads(text) if text else None
-
-
-def log_peak(trainer) -> dict | None:
-    """After the step ``allocator_meter`` measured: this rank's measured peak (tensors alive at the step's
-    start plus the most the step allocated above them), beside the launcher's plan; rank 0 logs both and
-    writes ``peak_memory.json``, the metrics rank logs ``memory/peak_gib/*``. None on other steps."""
-    meter = getattr(trainer, "_lbt_saved_meter", None)
-    if meter is None or getattr(trainer, "_lbt_peak_done", False):
-        return None
-    trainer._lbt_peak_done = True
-    plan = planned_for_ranks()
-    measured = {"peak": meter.start + meter.peak, "at_start": meter.start, "step": trainer.step}
-    metrics = {f"{PEAK_METRIC}/measured": measured["peak"] / 2**30}
-    if plan is not None:
-        metrics[f"{PEAK_METRIC}/planned"] = plan["later_steps"] / 2**30
-    trainer.metrics_processor.logger.log(metrics, trainer.step)
-    out = {"planned": plan, "measured": measured}
-    if rank() != 0:
-        return out
-    said = f"measured {gib(measured['peak'])} GiB at step {trainer.step} on rank 0"
-    if plan is not None:
-        off = measured["peak"] / plan["later_steps"] - 1 if plan["later_steps"] else 0.0
-        said += f", planned {gib(plan['later_steps'])} ({off:+.1%})"
-    logger.info(f"Peak memory: {said}")
-    os.makedirs(trainer.config.dump_folder, exist_ok=True)
-    write_atomic(os.path.join(trainer.config.dump_folder, PEAK_JSON), json.dumps(out, indent=1) + "\n")
-    return out
-
-
-def _candidates(config: Any) -> list[tuple[str, dict[str, Any]]]:
-    """``[(command-line flags, {config attribute: value})]`` of the changes ``cheapest_fit`` tries, cheapest
-    first: selective activation checkpointing (recomputes the cheap ops; where no AC runs), full (recomputes
-    each block), then the local batch halved while above 1 (the global batch kept by gradient accumulation)."""
-    out = []
-    ac = config.activation_checkpoint
-    if ac is None:
-        out.append(("--activation_checkpoint selective", {"activation_checkpoint": SelectiveAC.Config()}))
-    if not isinstance(ac, FullAC.Config):
-        out.append(("--activation_checkpoint full", {"activation_checkpoint": FullAC.Config()}))
-    t = config.training
-    keep = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size
-    batch = t.local_batch_size
-    while batch > 1:
-        batch //= 2
-        flags = f"--training.local_batch_size {batch} --training.global_batch_size {keep}"
-        out.append((flags, {"training.local_batch_size": batch, "training.global_batch_size": keep}))
-    return out
-
-
-def _owner(config: Any, key: str) -> tuple[Any, str]:
-    *path, name = key.split(".")
-    for part in path:
-        config = getattr(config, part)
-    return config, name
-
-
-@contextlib.contextmanager
-def _changed(config: Any, changes: dict[str, Any]):
-    """``config`` with ``changes`` (dotted attribute paths) applied, restored after."""
-    old = {}
-    for key, value in changes.items():
-        owner, name = _owner(config, key)
-        old[key] = getattr(owner, name)
-        setattr(owner, name, value)
-    try:
-        yield config
-    finally:
-        for key, value in old.items():
-            owner, name = _owner(config, key)
-            setattr(owner, name, value)
-
-
-def cheapest_fit(
-    config: Any, world_size: int, limit: int, device_type: str, model_of: Callable[[Any], Any], tries: int = 4
-) -> list[tuple[str, PeakPlan]]:
-    """The changes of ``_candidates`` planned in order (at most ``tries``), until one brings the planned peak
-    under ``limit`` bytes: ``[(flags, PeakPlan)]`` of those tried, the one that fits (if any) last."""
-    out = []
-    for flags, changes in _candidates(config)[:tries]:
-        with _changed(config, changes):
-            plan = plan_peak(config, world_size, device_type, model_of)
-        out.append((flags, plan))
-        if plan.peak <= limit:
-            break
-    return out
-
-
-def _child(conn, fn, args) -> None:
-    try:
-        conn.send(("ok", fn(*args)))
-    except NotPlanned as e:
-        conn.send(("not planned", str(e)))
-    except BaseException as e:  # said by the parent, with its traceback
-        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
-
-
-def in_child(fn, *args):
-    """``fn(*args)`` in a forked child process, its result returned here. The planner runs autograd on fake
-    tensors; done in the launcher itself, its ranks forked after (torchrun on the CPU) could not run
-    autograd ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
-
-    Raises:
-        NotPlanned: what ``fn`` raised as such; any other failure as ``NotPlanned`` naming it (the caller
-            says it in a warning: the run goes on unplanned).
-    """
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, fn, args), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        kind, value = parent.recv()
-    except EOFError:
-        kind, value = "failed", f"the planning process ended with exit code {proc.join() or proc.exitcode}"
-    proc.join()
-    if kind == "ok":
-        return value
-    raise NotPlanned(value if kind == "not planned" else f"the planner failed: {value}")
-
-
-def plan_and_fit(
-    config: Any, world_size: int, device_type: str, model_of: Callable[[Any], Any], limit: int
-) -> tuple[PeakPlan, list]:
-    """The plan, and over ``limit`` bytes (0: none) the changes ``cheapest_fit`` tried."""
-    plan = plan_peak(config, world_size, device_type, model_of)
-    fits = (
-        cheapest_fit(config, world_size, limit, device_type, model_of) if limit and plan.peak > limit else []
-    )
-    return plan, fits

@@ -21,7 +21,7 @@ from low_bits_training.titan.runtime import budget
 from low_bits_training.titan.runtime.autopilot import run_step
 from low_bits_training.titan.runtime.manifest import fingerprint
 from low_bits_training.titan.runtime.numerics import extras_for
-from low_bits_training.titan.runtime.peak import log_peak
+from low_bits_training.titan.runtime.peak_log import log_peak
 from low_bits_training.titan.targets.collectives import log_comm_bytes
 from low_bits_training.titan.targets.delayed import install as install_amax_group
 from low_bits_training.titan.targets.experts import zero_expert_counts

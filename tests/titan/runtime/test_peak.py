@@ -15,7 +15,7 @@ from helpers import REPO, train
 from low_bits_training.config.memory import FREE_FRACTION
 from low_bits_training.optim.memory import HeldBytes, LiveStorages
 from low_bits_training.run.folder import PEAK_JSON
-from low_bits_training.titan.launch.validate import refusal
+from low_bits_training.titan.launch.memory import refusal
 from low_bits_training.titan.runtime.peak import PeakPlan
 
 LEAN = REPO / "train_configs" / "debug_lean.toml"

@@ -1,0 +1,112 @@
+"""The launcher's memory check: rank 0's peak planned (``titan/runtime/peak.py``) against the limit, before any
+rank starts; a run over it is refused in one line naming the change that fits (``titan/runtime/peak_fit.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from low_bits_training.config.memory import FREE_FRACTION
+from low_bits_training.errors import ConfigError
+from low_bits_training.run.folder import PEAK_PLAN_ENV
+from low_bits_training.titan.launch.validate import model_as_trained
+from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, gib
+from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit
+
+
+def free_memory() -> tuple[int, str]:
+    """Bytes one rank may take on this machine and what they are: a GPU's free memory (its total less what
+    NVML sees used; no CUDA context is made in the launcher), or on the CPU the host's available memory
+    (``MemAvailable``). (0, why) where unknown."""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        try:
+            return total - torch.cuda.device_memory_used(0), "GPU 0's free memory"
+        except (RuntimeError, ModuleNotFoundError, ImportError):  # no NVML: the total
+            return total, "GPU 0's total memory"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, "the host's available memory"
+    except (OSError, KeyError, ValueError):
+        return 0, "unknown"
+
+
+def refusal(plan: PeakPlan, limit: int, source: str, fits: list) -> str:
+    """The one line of a run planned over ``FREE_FRACTION`` x ``limit``: its peak, its three largest parts,
+    and the cheapest change found that fits (``cheapest_fit``)."""
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in plan.largest(3))
+    line = (
+        f"memory: rank 0 would peak at {gib(plan.peak)} GiB ({parts} GiB at the peak, in the {plan.phase}), "
+        f"over {FREE_FRACTION} x {gib(limit)} GiB ({source})"
+    )
+    if fits and fits[-1][1].peak <= FREE_FRACTION * limit:
+        changes, better = fits[-1]
+        return f"{line}; {changes} plans {gib(better.peak)} GiB (or set memory.limit_gib or --memory.no-plan)"
+    return f"{line}; no activation checkpointing or smaller local batch tried fits: shard over more ranks"
+
+
+@dataclass
+class PeakCheck:
+    """What ``check_peak`` found for a run: its plan and the limit it was held to, or why it was not planned."""
+
+    plan: PeakPlan | None
+    limit: int = 0
+    """Bytes one rank may use (0: none known)."""
+    source: str = ""
+    """Where ``limit`` comes from (``memory.limit_gib = 80``, ``the host's available memory``)."""
+    why_not: str | None = None
+    """Why there is no plan (``memory.plan = false``, pipeline parallelism, the planner's failure)."""
+
+    def line(self) -> str:
+        """One line for the launcher's notes and lbt-doctor's ``peak memory`` row."""
+        if self.plan is None:
+            return f"not planned: {self.why_not}"
+        held = f"; {FREE_FRACTION} x {gib(self.limit)} GiB allowed ({self.source})" if self.limit else ""
+        return f"{self.plan.summary()}{held}"
+
+
+_CHECKS: dict[int, tuple[Any, PeakCheck]] = {}
+
+
+def peak_check_of(config: Any) -> PeakCheck | None:
+    """The ``PeakCheck`` ``check_peak`` made for this very config object (None: not checked)."""
+    held = _CHECKS.get(id(config))
+    return held[1] if held is not None and held[0] is config else None
+
+
+def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
+    """Plan rank 0's peak (``titan/runtime/peak.py``, in a forked child) and refuse a run over
+    ``FREE_FRACTION`` of the limit: ``memory.limit_gib``, or this machine's free memory when the ranks start
+    here. The plan goes to the ranks (``PEAK_PLAN_ENV``), which log it beside what the allocator measures;
+    the check is kept for ``peak_check_of``.
+
+    Raises:
+        ConfigError: the run does not fit (``refusal``), before any rank starts.
+    """
+    mem = config.memory
+    device_type = "cuda" if torch.cuda.is_available() or (mem.limit_gib and not here) else "cpu"
+    if mem.limit_gib:
+        limit, source = int(mem.limit_gib * 2**30), f"memory.limit_gib = {mem.limit_gib:g}"
+    else:
+        limit, source = free_memory() if here else (0, "")
+    if not mem.plan:
+        found = PeakCheck(None, limit, source, "memory.plan = false")
+    else:
+        try:
+            plan, fits = in_child(
+                plan_and_fit, config, world_size, device_type, model_as_trained, int(FREE_FRACTION * limit)
+            )
+        except NotPlanned as e:
+            found = PeakCheck(None, limit, source, str(e).splitlines()[0])
+        else:
+            if limit and plan.peak > FREE_FRACTION * limit:
+                raise ConfigError(refusal(plan, limit, source, fits))
+            os.environ[PEAK_PLAN_ENV] = json.dumps(plan.to_json())
+            found = PeakCheck(plan, limit, source)
+    _CHECKS[id(config)] = (config, found)
+    return found

@@ -1,0 +1,118 @@
+"""What to change so that a run fits: each candidate change planned (``peak.plan_peak``) until one fits, and
+the planning run in a forked child (the launcher's ranks are forked after it)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
+
+
+def _candidates(config: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``[(command-line flags, {config attribute: value})]`` of the changes ``cheapest_fit`` tries, cheapest
+    first: selective activation checkpointing (recomputes the cheap ops; where no AC runs), full (recomputes
+    each block), then the local batch halved while above 1 (the global batch kept by gradient accumulation)."""
+    out = []
+    ac = config.activation_checkpoint
+    if ac is None:
+        out.append(("--activation_checkpoint selective", {"activation_checkpoint": SelectiveAC.Config()}))
+    if not isinstance(ac, FullAC.Config):
+        out.append(("--activation_checkpoint full", {"activation_checkpoint": FullAC.Config()}))
+    t = config.training
+    keep = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size
+    batch = t.local_batch_size
+    while batch > 1:
+        batch //= 2
+        flags = f"--training.local_batch_size {batch} --training.global_batch_size {keep}"
+        out.append((flags, {"training.local_batch_size": batch, "training.global_batch_size": keep}))
+    return out
+
+
+def _owner(config: Any, key: str) -> tuple[Any, str]:
+    *path, name = key.split(".")
+    for part in path:
+        config = getattr(config, part)
+    return config, name
+
+
+@contextlib.contextmanager
+def _changed(config: Any, changes: dict[str, Any]):
+    """``config`` with ``changes`` (dotted attribute paths) applied, restored after."""
+    old = {}
+    for key, value in changes.items():
+        owner, name = _owner(config, key)
+        old[key] = getattr(owner, name)
+        setattr(owner, name, value)
+    try:
+        yield config
+    finally:
+        for key, value in old.items():
+            owner, name = _owner(config, key)
+            setattr(owner, name, value)
+
+
+def cheapest_fit(
+    config: Any, world_size: int, limit: int, device_type: str, model_of: Callable[[Any], Any], tries: int = 4
+) -> list[tuple[str, PeakPlan]]:
+    """The changes of ``_candidates`` planned in order (at most ``tries``), until one brings the planned peak
+    under ``limit`` bytes: ``[(flags, PeakPlan)]`` of those tried, the one that fits (if any) last."""
+    out = []
+    for flags, changes in _candidates(config)[:tries]:
+        with _changed(config, changes):
+            plan = plan_peak(config, world_size, device_type, model_of)
+        out.append((flags, plan))
+        if plan.peak <= limit:
+            break
+    return out
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send(("ok", fn(*args)))
+    except NotPlanned as e:
+        conn.send(("not planned", str(e)))
+    except BaseException as e:  # said by the parent, with its traceback
+        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def in_child(fn, *args):
+    """``fn(*args)`` in a forked child process, its result returned here. The planner runs autograd on fake
+    tensors; done in the launcher itself, its ranks forked after (torchrun on the CPU) could not run
+    autograd ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
+
+    Raises:
+        NotPlanned: what ``fn`` raised as such; any other failure as ``NotPlanned`` naming it (the caller
+            says it in a warning: the run goes on unplanned).
+    """
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        kind, value = parent.recv()
+    except EOFError:
+        kind, value = "failed", f"the planning process ended with exit code {proc.join() or proc.exitcode}"
+    proc.join()
+    if kind == "ok":
+        return value
+    raise NotPlanned(value if kind == "not planned" else f"the planner failed: {value}")
+
+
+def plan_and_fit(
+    config: Any, world_size: int, device_type: str, model_of: Callable[[Any], Any], limit: int
+) -> tuple[PeakPlan, list]:
+    """The plan, and over ``limit`` bytes (0: none) the changes ``cheapest_fit`` tried."""
+    plan = plan_peak(config, world_size, device_type, model_of)
+    fits = (
+        cheapest_fit(config, world_size, limit, device_type, model_of) if limit and plan.peak > limit else []
+    )
+    return plan, fits
