@@ -229,18 +229,16 @@ def test_bad_flags(tmp_path, previous_run, args, expect):
 
 
 def test_a_run_planned_over_the_memory_limit_is_refused_before_any_rank(tmp_path, previous_run):
-    # titan/runtime/peak.py plans 0.43 GiB for this batch (0.22 with selective AC, which fits 0.92 x 0.3 GiB)
-    batch = ("--training.local_batch_size", "8", "--training.seq_len", "512")
+    # titan/runtime/peak.py plans 0.41 GiB for this batch (0.22 with selective AC, which fits 0.92 x 0.25 GiB);
+    # the previous run's shape (seq_len) is kept: its checkpoint would refuse another one first
     line = _refused(
         tmp_path,
         previous_run,
-        *batch,
-        "--memory.limit_gib",
-        "0.3",
-        expect="memory: rank 0 would peak at 0.43 GiB",
+        *("--training.local_batch_size", "32", "--memory.limit_gib", "0.25"),
+        expect="memory: rank 0 would peak at 0.41 GiB",
     )
     assert (
-        "over 0.92 x 0.30 GiB (memory.limit_gib = 0.3); --activation_checkpoint selective plans 0.22 GiB"
+        "over 0.92 x 0.25 GiB (memory.limit_gib = 0.25); --activation_checkpoint selective plans 0.22 GiB"
         in line
     )
 

@@ -28,8 +28,10 @@ from low_bits_training.errors import ConfigError
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.titan.launch.datasets import TokenizerMissing
 from low_bits_training.titan.launch.launcher import check
+from low_bits_training.titan.launch.memory import fit_table
 from low_bits_training.titan.runtime.budget import planned
 from low_bits_training.titan.runtime.checkpoint import CheckpointError
+from low_bits_training.titan.runtime.peak import NotPlanned
 
 TOKENIZER_FREE = [
     *("--dataloader.dataset", "lbt_markov", "--dataloader.dataset_path", "./assets/lbt_markov"),
@@ -142,3 +144,15 @@ def config_checks(
         checks += [check_tokenizer(config), check_dataset(config, env)]
     checks.append(check_checkpoint_disk(config, budget))
     return checks, bool(config.metrics.enable_wandb)
+
+
+def fit_report(config_file: str, args: list[str], env) -> str:
+    """lbt-doctor ``--fit``: the run resolved with its memory check off (a run over the limit is the point
+    here), then ``launch.memory.fit_table``; or one line saying why there is none."""
+    status, config = checked_config(config_file, [*args, "--memory.no-plan"], dict(env), stand_in=True)
+    if config is None:
+        return f"peak memory: no ranking: {status.detail}"
+    try:
+        return fit_table(config, _processes(dict(env)))
+    except NotPlanned as e:
+        return f"peak memory: no ranking: {str(e).splitlines()[0]}"

@@ -23,7 +23,7 @@ from low_bits_training.cli.checks import (
     check_versions,
     check_wandb,
 )
-from low_bits_training.cli.config_checks import config_checks
+from low_bits_training.cli.config_checks import config_checks, fit_report
 from low_bits_training.cli.runner import repo_root
 from low_bits_training.cli.speed import check_speed
 from low_bits_training.nn.hardware import Hardware, detect_hardware
@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> ExitCode:
         default=None,
         help="judge the plan as on this GPU (default: this machine)",
     )
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="plan the run's peak memory with each change that lowers it (activation checkpointing, a smaller "
+        "local batch) and print them ranked against the limit (--memory.limit_gib, or this machine's free memory)",
+    )
     ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     repo = repo_root()
     if (
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> ExitCode:
     fails = sum(c.status == "FAIL" for c in checks)
     warns = sum(c.status == "WARN" for c in checks)
     print(f"\n{fails} FAIL, {warns} WARN, {len(checks) - fails - warns} OK")
+    if ns.fit:
+        print("\n" + fit_report(ns.config_file or default_config_file(os.environ), rest, os.environ))
     return exit_code(checks)
 
 

@@ -141,10 +141,15 @@ def test_doctor_on_debug_config(clean_env, capsys):
         "recipe mxfp8": "WARN",
         "tokenizer": "OK",
         "state bytes": "OK",
+        "peak memory": "OK",
         "dataset": "OK",
         "disk": "OK",
     }
     assert rows["backends"].detail == "on CPU: 31 x Linear [high]"
+    # the launcher's plan (titan/runtime/peak.py), as the default run logs it (docs/memory.md)
+    assert rows["peak memory"].detail.startswith(
+        "0.25 GiB on rank 0 (first step 0.20, later steps 0.25; at the peak, in the forward and backward: "
+    )
     assert rows["state bytes"].detail.startswith("16.00 B/param x 6.16 M params = 0.09 GiB on all ranks: ")
     assert "exp_avg 4.00 (fp32), exp_avg_sq 4.00 (fp32)" in rows["state bytes"].detail
     assert rows["recipe mxfp8"].detail == "on CPU: 1 x Linear [high]; 30 x QuantLinear [emulate]"
@@ -504,3 +509,22 @@ def test_speed_row_says_what_this_package_runs_on_that_gpu(clean_env):
     assert "speed" not in by_name(
         doctor.run_checks(str(DEBUG), deepseek, {"NGPU": "1"}, hw=doctor.hardware("cpu"))
     )
+
+
+def test_fit_ranks_the_changes_that_fit_first(clean_env, capsys):
+    # issue 39: lbt-doctor --fit plans the run and each change that lowers its peak (titan/runtime/peak_fit.py)
+    args = ["--training.local_batch_size", "8", "--training.seq_len", "512", "--memory.limit_gib", "0.3"]
+    assert (
+        doctor.main(["--config-file", "train_configs/debug_model.toml", "--fit", *args]) == 2
+    )  # over the limit
+    out = capsys.readouterr().out
+    table = out[out.index("Planned peak of rank 0 against 0.92 x 0.30 GiB (memory.limit_gib = 0.3):") :]
+    rows = [r.split(" | ") for r in table.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert [(r[1], r[2], r[-1]) for r in rows] == [
+        ("`--activation_checkpoint selective`", "0.22", "yes |"),
+        ("`--activation_checkpoint full`", "0.16", "yes |"),
+        ("`--training.local_batch_size 4 --training.global_batch_size 8`", "0.28", "yes |"),
+        ("`--training.local_batch_size 2 --training.global_batch_size 8`", "0.19", "yes |"),
+        ("`--training.local_batch_size 1 --training.global_batch_size 8`", "0.14", "yes |"),
+        ("`(as configured)`", "0.43", "no |"),
+    ]

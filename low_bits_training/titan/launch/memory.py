@@ -15,7 +15,7 @@ from low_bits_training.errors import ConfigError
 from low_bits_training.run.folder import PEAK_PLAN_ENV
 from low_bits_training.titan.launch.validate import model_as_trained
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, gib
-from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit
+from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit, ranked
 
 
 def free_memory() -> tuple[int, str]:
@@ -79,6 +79,34 @@ def peak_check_of(config: Any) -> PeakCheck | None:
     return held[1] if held is not None and held[0] is config else None
 
 
+def limit_of(config: Any, here: bool = True) -> tuple[int, str, str]:
+    """``(bytes one rank may use, where that comes from, the device type planned for)``: ``memory.limit_gib``
+    (planned as on CUDA when the ranks do not start here), else this machine's free memory (0 when not here)."""
+    mem = config.memory
+    device_type = "cuda" if torch.cuda.is_available() or (mem.limit_gib and not here) else "cpu"
+    if mem.limit_gib:
+        return int(mem.limit_gib * 2**30), f"memory.limit_gib = {mem.limit_gib:g}", device_type
+    return (*free_memory(), device_type) if here else (0, "", device_type)
+
+
+def fit_table(config: Any, world_size: int) -> str:
+    """lbt-doctor ``--fit``: a markdown table of the run and each change ``peak_fit.ranked`` planned, ranked,
+    against ``FREE_FRACTION`` of the limit (``limit_of``).
+
+    Raises:
+        NotPlanned: a run the planner does not plan.
+    """
+    limit, source, device_type = limit_of(config)
+    allowed = int(FREE_FRACTION * limit) if limit else 1 << 62
+    rows = in_child(ranked, config, world_size, allowed, device_type, model_as_trained)
+    head = f"Planned peak of rank 0 against {FREE_FRACTION} x {gib(limit)} GiB ({source}):" if limit else ""
+    out = [head, "", "| rank | change | planned peak (GiB) | largest parts | fits |", "|---|---|---|---|---|"]
+    for i, (flags, plan, fits) in enumerate(rows, 1):
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in plan.largest(3))
+        out.append(f"| {i} | `{flags}` | {gib(plan.peak)} | {parts} | {'yes' if fits else 'no'} |")
+    return "\n".join(out).lstrip("\n")
+
+
 def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
     """Plan rank 0's peak (``titan/runtime/peak.py``, in a forked child) and refuse a run over
     ``FREE_FRACTION`` of the limit: ``memory.limit_gib``, or this machine's free memory when the ranks start
@@ -89,11 +117,7 @@ def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
         ConfigError: the run does not fit (``refusal``), before any rank starts.
     """
     mem = config.memory
-    device_type = "cuda" if torch.cuda.is_available() or (mem.limit_gib and not here) else "cpu"
-    if mem.limit_gib:
-        limit, source = int(mem.limit_gib * 2**30), f"memory.limit_gib = {mem.limit_gib:g}"
-    else:
-        limit, source = free_memory() if here else (0, "")
+    limit, source, device_type = limit_of(config, here)
     if not mem.plan:
         found = PeakCheck(None, limit, source, "memory.plan = false")
     else:

@@ -58,18 +58,37 @@ def _changed(config: Any, changes: dict[str, Any]):
 
 
 def cheapest_fit(
-    config: Any, world_size: int, limit: int, device_type: str, model_of: Callable[[Any], Any], tries: int = 4
+    config: Any,
+    world_size: int,
+    limit: int,
+    device_type: str,
+    model_of: Callable[[Any], Any],
+    tries: int = 4,
+    every: bool = False,
 ) -> list[tuple[str, PeakPlan]]:
     """The changes of ``_candidates`` planned in order (at most ``tries``), until one brings the planned peak
-    under ``limit`` bytes: ``[(flags, PeakPlan)]`` of those tried, the one that fits (if any) last."""
+    under ``limit`` bytes (``every``: all of them): ``[(flags, PeakPlan)]`` of those planned, in that order."""
     out = []
     for flags, changes in _candidates(config)[:tries]:
         with _changed(config, changes):
             plan = plan_peak(config, world_size, device_type, model_of)
         out.append((flags, plan))
-        if plan.peak <= limit:
+        if plan.peak <= limit and not every:
             break
     return out
+
+
+def ranked(
+    config: Any, world_size: int, limit: int, device_type: str, model_of: Callable[[Any], Any]
+) -> list:
+    """lbt-doctor ``--fit``: the run as it is and every change of ``_candidates`` planned, those under
+    ``limit`` bytes first in ``_candidates``' order (cheapest first), then the rest by planned peak:
+    ``[(flags or "(as configured)", PeakPlan, fits)]``."""
+    rows = [("(as configured)", plan_peak(config, world_size, device_type, model_of))]
+    rows += cheapest_fit(config, world_size, limit, device_type, model_of, tries=8, every=True)
+    fits = [(f, p, True) for f, p in rows if p.peak <= limit]
+    over = sorted(((f, p, False) for f, p in rows if p.peak > limit), key=lambda r: r[1].peak)
+    return fits + over
 
 
 def _child(conn, fn, args) -> None:
