@@ -30,7 +30,9 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
+from torchtitan.tools.utils import set_default_dtype
 from torchtitan.trainer import Trainer
 
 from low_bits_training.optim.budget import StateBytes
@@ -212,7 +214,10 @@ def _two_steps(
     """Build the run on fake tensors and count two steps: [(peak, parts, phase)] of each."""
     t = config.training
     spec = config.model_spec
-    with torch.device("meta"):
+    with (
+        torch.device("meta"),
+        set_default_dtype(TORCH_DTYPE_MAP[t.dtype]),
+    ):  # as torchtitan's Trainer builds it
         model = model_config.build()
     model = spec.parallelize_fn(
         model,
