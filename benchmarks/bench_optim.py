@@ -3,6 +3,8 @@
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_optim.py [--quick] [--steps 10] [--ranks 2]
 Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --direction 300: the relative error of the update
 direction m / sqrt(v) when the moments of a real loss go through each state format (``direction_errors``).
+Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --probe 1500 --seeds 0: the excess loss of a
+regression probe against fp32 AdamW's, per state format (``probe_gaps``).
 The weights: a stack of square fp32 matrices, 12 x 2048^2 = 50.3M parameters (--quick: 4 x 1024^2 = 4.2M),
 with gradients; with --ranks 2, the same weights as FSDP2-sharded linear layers on 2 CPU ranks (gloo, one
 thread each), figures per rank (the shards are equal).
@@ -34,8 +36,8 @@ BOUND_MIB = 64
 OPTIONS: dict[str, tuple[str, dict]] = {
     "torch AdamW fp32 (foreach)": ("AdamW", {}),
     "LowBitAdamW bf16/bf16": ("LowBitAdamW", {"exp_avg": "bf16", "exp_avg_sq": "bf16"}),
-    "LowBitAdamW int8/e4m3 block128": ("LowBitAdamW", {}),
-    "LowBitAdamW int8/e4m3 block128, eager": ("LowBitAdamW", {"fused": False}),
+    "LowBitAdamW int8/e4m3 block128": ("LowBitAdamW", {"exp_avg_sq": "e4m3_block128"}),
+    "LowBitAdamW int8/e4m3 block128, eager": ("LowBitAdamW", {"exp_avg_sq": "e4m3_block128", "fused": False}),
     "LowBitAdamW int4/e2m1 block128": (
         "LowBitAdamW",
         {"exp_avg": "int4_block128", "exp_avg_sq": "e2m1_block128"},
@@ -46,11 +48,16 @@ OPTIONS: dict[str, tuple[str, dict]] = {
     ),
     "LowBitAdamW int8/e4m3 + bf16 master Kahan": (
         "LowBitAdamW",
-        {"master_weights": "bf16", "master_rounding": "kahan"},
+        {"exp_avg_sq": "e4m3_block128", "master_weights": "bf16", "master_rounding": "kahan"},
     ),
     "LowBitAdamW int8 sr/e4m3 + bf16 master SR": (
         "LowBitAdamW",
-        {"exp_avg": "int8_block128_sr", "master_weights": "bf16", "master_rounding": "stochastic"},
+        {
+            "exp_avg": "int8_block128_sr",
+            "exp_avg_sq": "e4m3_block128",
+            "master_weights": "bf16",
+            "master_rounding": "stochastic",
+        },
     ),
     "LowBitSGD int8 momentum": ("LowBitSGD", {"momentum_buffer": "int8_block128"}),
     "torchao AdamW8bit": ("AdamW8bit", {}),
@@ -239,7 +246,7 @@ def table(rows: list[dict]) -> str:
 
 
 DIRECTION_FORMATS: dict[str, dict] = {
-    "default: int8_block128 / e4m3_block128 sqrt(v)": {},
+    "int8_block128 / e4m3_block128 sqrt(v)": {"exp_avg_sq": "e4m3_block128"},
     "int8_block128 / int8_block128 sqrt(v)": {"exp_avg_sq": "int8_block128"},
     "dt8_block128 / udt8_block128 sqrt(v)": {"exp_avg": "dt8_block128", "exp_avg_sq": "udt8_block128"},
     "dt8_block256 / udt8_block256 sqrt(v)": {"exp_avg": "dt8_block256", "exp_avg_sq": "udt8_block256"},
@@ -355,6 +362,97 @@ def direction_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PROBE_FORMATS: dict[str, dict] = {
+    "int8_block128 / e4m3_block128 sqrt(v)": {"exp_avg_sq": "e4m3_block128"},
+    "int8_block128 / int8_block128 sqrt(v)": {"exp_avg_sq": "int8_block128"},
+    "int8_block128 / udt8_block128 sqrt(v)": {"exp_avg_sq": "udt8_block128"},
+    "dt8_block128 / udt8_block128 sqrt(v)": {"exp_avg": "dt8_block128", "exp_avg_sq": "udt8_block128"},
+    "dt8_block256 / udt8_block256 sqrt(v)": {"exp_avg": "dt8_block256", "exp_avg_sq": "udt8_block256"},
+}
+"""Probe rows: LowBitAdamW state formats (``AdamWOptions`` keys; the rest its defaults)."""
+
+
+def probe_loss(make_opt, steps: int, seed: int) -> float:
+    """Excess held-out loss after ``steps`` steps of noisy linear regression (a 512 -> 512 student of a
+    teacher, inputs whose scales span two decades, so Adam's preconditioning matters; batch 64, fp32 weights,
+    lr 1e-2 with cosine decay to 1%, betas (0.9, 0.999)): a convex loss, so no chaotic divergence between runs,
+    and late in the run the updates are far below the weights' size and the moments' precision decides how
+    far it falls. The loss is the mean squared distance of the student's outputs to the teacher's on 4096
+    held-out inputs; the same teacher, init, batches and held-out set (``seed``) for every optimizer."""
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(0, -2, 512)
+    teacher = torch.randn(512, 512, generator=g) / 512**0.5
+    student = torch.nn.Linear(512, 512, bias=False)
+    with torch.no_grad():
+        student.weight.copy_(torch.randn(512, 512, generator=g) / 512**0.5)
+    x_eval = torch.randn(4096, 512, generator=g) * scales
+    opt = make_opt(student)
+    for k in range(steps):
+        lr = 1e-2 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * k / steps)))
+        for group in opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        x = torch.randn(64, 512, generator=g) * scales
+        y = x @ teacher.T + 0.1 * torch.randn(64, 512, generator=g)
+        loss = torch.nn.functional.mse_loss(student(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(student(x_eval), x_eval @ teacher.T).item()
+
+
+def probe_gaps(steps: int, seeds: list[int]) -> list[dict]:
+    """Per optimizer of ``PROBE_FORMATS`` (and torchao AdamW8bit): the excess loss of ``probe_loss`` relative
+    to fp32 torch AdamW's on the same seed, in %, for each of ``seeds``."""
+    import torch
+    import torchao.optim
+
+    from low_bits_training.optim import LowBitAdamW
+
+    kw = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+    def lowbit(extra):
+        def make(model):
+            named = list(model.named_parameters())
+            groups = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+            return LowBitAdamW(groups, **kw, **extra)
+
+        return make
+
+    makers = {"torch AdamW fp32": lambda m: torch.optim.AdamW(m.parameters(), **kw)}
+    makers |= {label: lowbit(extra) for label, extra in PROBE_FORMATS.items()}
+    makers["torchao AdamW8bit (dynamic map m / v, block 256)"] = lambda m: torchao.optim.AdamW8bit(
+        m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])})
+    )
+    losses = {label: [probe_loss(make, steps, s) for s in seeds] for label, make in makers.items()}
+    ref = losses["torch AdamW fp32"]
+    return [
+        {"label": label, "loss": ls, "gap": [100 * (a / b - 1) for a, b in zip(ls, ref, strict=True)]}
+        for label, ls in losses.items()
+    ]
+
+
+def probe_table(rows: list[dict]) -> str:
+    lines = [
+        "| optimizer | excess loss, mean | gap to fp32 AdamW, mean (min / max over seeds) |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        g = r["gap"]
+        lines.append(
+            f"| {r['label']} | {statistics.mean(r['loss']):.4g} | {statistics.mean(g):+.2f}% "
+            f"({min(g):+.2f}% / {max(g):+.2f}%) |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 x 1024^2 params instead of 12 x 2048^2")
@@ -370,7 +468,21 @@ def main() -> None:
         metavar="STEPS",
         help="instead: the update-direction error of each state format on the moments of STEPS AdamW steps",
     )
+    ap.add_argument(
+        "--probe",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: the loss gap to fp32 AdamW of each state format on a STEPS-step regression probe",
+    )
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="seeds of --probe")
     args = ap.parse_args()
+    if args.probe:
+        rows = probe_gaps(args.probe, args.seeds)
+        print(f"probe_loss, {args.probe} steps, seeds {args.seeds}, CPU, one process\n")
+        print(probe_table(rows))
+        print(json.dumps(rows))
+        return
     if args.direction:
         print(f"moments after {args.direction} AdamW steps (real_moments), CPU, one process\n")
         print(direction_table(direction_errors(args.direction)))

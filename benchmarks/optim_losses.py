@@ -23,7 +23,7 @@ BASE = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 OPTIONS: dict[str, tuple[str, dict]] = {
     "AdamW fp32 (torch)": ("AdamW", {}),
     "LowBitAdamW bf16/bf16": ("LowBitAdamW", {"exp_avg": "bf16", "exp_avg_sq": "bf16"}),
-    "LowBitAdamW int8/e4m3 (default)": ("LowBitAdamW", {}),
+    "LowBitAdamW int8/e4m3": ("LowBitAdamW", {"exp_avg_sq": "e4m3_block128"}),
     "LowBitAdamW int8/int8": ("LowBitAdamW", {"exp_avg": "int8_block128", "exp_avg_sq": "int8_block128"}),
     "LowBitAdamW int4/e2m1 block128": (
         "LowBitAdamW",
@@ -31,11 +31,11 @@ OPTIONS: dict[str, tuple[str, dict]] = {
     ),
     "LowBitAdamW int8/e4m3 + bf16 master SR": (
         "LowBitAdamW",
-        {"master_weights": "bf16", "master_rounding": "stochastic"},
+        {"exp_avg_sq": "e4m3_block128", "master_weights": "bf16", "master_rounding": "stochastic"},
     ),
     "LowBitAdamW int8/e4m3 + bf16 master Kahan": (
         "LowBitAdamW",
-        {"master_weights": "bf16", "master_rounding": "kahan"},
+        {"exp_avg_sq": "e4m3_block128", "master_weights": "bf16", "master_rounding": "kahan"},
     ),
     "LowBitAdamW fp32 states + bf16 master RNE": (
         "LowBitAdamW",
