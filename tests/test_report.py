@@ -231,4 +231,26 @@ def test_the_byte_report_gets_its_tables(tmp_path):
         ["total", "40296", "40296", "82224"],
     ]
     _metrics(tmp_path / "plain", [_row(1, 8.2, 100.0)], steps=1)  # no state_bytes.json: no tables
-    assert 'id="state_bytes"' not in build_report([tmp_path / "plain"], tmp_path / "out2").read_text()
+    plain = build_report([tmp_path / "plain"], tmp_path / "out2").read_text()
+    assert 'id="state_bytes"' not in plain and 'id="peak_memory"' not in plain
+
+
+def test_the_report_shows_the_planned_peak_beside_the_measured_one(tmp_path):
+    """peak_memory.json (issue 39): the plan's parts at its peak, the planned and the measured peak, GiB."""
+    from low_bits_training.report.build import build_report
+
+    _metrics(tmp_path, [_row(1, 8.2, 100.0), _row(2, 8.1, 100.0)], steps=2)
+    mib = 2**20
+    plan = {"later_steps": 252 * mib, "parts": {"parameters": 24 * mib, "forward and backward": 182 * mib}}
+    (tmp_path / "peak_memory.json").write_text(
+        json.dumps({"planned": plan, "measured": {"peak": 256 * mib, "step": 2}})
+    )
+    page = build_report([tmp_path], tmp_path / "out").read_text()
+    table = re.search(r'<table id="peak_memory">(.*?)</table>', page).group(1)
+    rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+    assert rows == [
+        ["parameters", "0.023"],
+        ["forward and backward", "0.178"],
+        ["planned peak, a later step", "0.246"],
+        ["measured peak, step 2", "0.25"],
+    ]

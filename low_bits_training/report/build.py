@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .runs import RunData, flop_shares, load_run, saved_rows, state_rows, whatif_summary
+from .runs import RunData, flop_shares, load_run, peak_rows, saved_rows, state_rows, whatif_summary
 
 COLUMNS = (
     ("run", "run"),
@@ -55,6 +55,7 @@ STATE_COLUMNS = (
     ("planned", "B/param computed"),
     ("measured", "B/param measured"),
 )
+PEAK_COLUMNS = (("what", "rank 0"), ("gib", "GiB"))
 SAVED_COLUMNS = (
     ("module", "module"),
     ("stored", "stored (hooks)"),
@@ -150,6 +151,12 @@ def build_report(folders: list[str | Path], out: str | Path) -> Path:
             parts += [
                 f"<h2>Memory: {html.escape(run.name)} (training state, all ranks)</h2>",
                 _table(states, STATE_COLUMNS, "state_bytes"),
+            ]
+        peak = peak_rows(run)
+        if peak:  # peak_memory.json: the launcher's plan beside the allocator's peak
+            parts += [
+                f"<h2>Peak memory: {html.escape(run.name)}</h2>",
+                _table(peak, PEAK_COLUMNS, "peak_memory"),
             ]
         if saves:
             parts += [

@@ -31,6 +31,7 @@ from low_bits_training.run.folder import (
     LOSS,
     MEMORY,
     METRICS_FILE,
+    PEAK_JSON,
     PLAN_JSON,
     SCHEDULE_JSON,
     STATE_BYTES_JSON,
@@ -65,6 +66,9 @@ class RunData:
     budget: dict[str, Any] | None = None
     """state_bytes.json (``titan.runtime.budget``): training-state bytes per parameter, computed and
     measured, and ``[[quantize.saved]]`` bytes per token (None: not written)."""
+    peak: dict[str, Any] | None = None
+    """peak_memory.json (``titan.runtime.peak_log``): rank 0's planned peak and its parts, and the peak the
+    allocator measured (None: not written)."""
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of one metric (steps that do not have it are left out)."""
@@ -159,7 +163,25 @@ def load_run(folder: str | Path) -> RunData:
     decisions = read_jsonl(folder / AUTOPILOT_FILE)
     budget_file = folder / STATE_BYTES_JSON
     budget = json.loads(budget_file.read_text()) if budget_file.is_file() else None
-    return RunData(folder.resolve().name, folder, metrics, own, alt, decisions, budget)
+    peak_file = folder / PEAK_JSON
+    peak = json.loads(peak_file.read_text()) if peak_file.is_file() else None
+    return RunData(folder.resolve().name, folder, metrics, own, alt, decisions, budget, peak)
+
+
+def peak_rows(run: RunData) -> list[dict[str, Any]]:
+    """The byte report's peak memory of rank 0: each part the plan names at its peak, then the planned and the
+    measured peak (GiB; empty: no peak_memory.json)."""
+    if not run.peak:
+        return []
+    plan, measured = run.peak.get("planned") or {}, run.peak.get("measured") or {}
+    rows = [{"what": part, "gib": round(b / 2**30, 3)} for part, b in (plan.get("parts") or {}).items()]
+    if plan:
+        rows.append({"what": "planned peak, a later step", "gib": round(plan["later_steps"] / 2**30, 3)})
+    if measured:
+        rows.append(
+            {"what": f"measured peak, step {measured['step']}", "gib": round(measured["peak"] / 2**30, 3)}
+        )
+    return rows
 
 
 def state_rows(run: RunData) -> list[dict[str, Any]]:
