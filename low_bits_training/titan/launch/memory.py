@@ -14,6 +14,7 @@ from low_bits_training.config.memory import FREE_FRACTION
 from low_bits_training.errors import ConfigError
 from low_bits_training.run.folder import PEAK_PLAN_ENV
 from low_bits_training.titan.launch.validate import model_as_trained
+from low_bits_training.titan.platform.cpu import needs_cpu_adapters
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, gib
 from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit, ranked
 
@@ -61,12 +62,17 @@ class PeakCheck:
     """Where ``limit`` comes from (``memory.limit_gib = 80``, ``the host's available memory``)."""
     why_not: str | None = None
     """Why there is no plan (``memory.plan = false``, pipeline parallelism, the planner's failure)."""
+    enforced: bool = True
+    """False on a GPU node without ``memory.limit_gib``: the plan runs attention as the CPU does (dense
+    matrices where a GPU runs flash / flex kernels), so it is said, not enforced, until held to a GPU."""
 
     def line(self) -> str:
         """One line for the launcher's notes and lbt-doctor's ``peak memory`` row."""
         if self.plan is None:
             return f"not planned: {self.why_not}"
         held = f"; {FREE_FRACTION} x {gib(self.limit)} GiB allowed ({self.source})" if self.limit else ""
+        if not self.enforced:
+            held += "; not enforced on a GPU node yet (attention planned as the CPU runs it)"
         return f"{self.plan.summary()}{held}"
 
 
@@ -128,9 +134,10 @@ def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
         except NotPlanned as e:
             found = PeakCheck(None, limit, source, str(e).splitlines()[0])
         else:
-            if limit and plan.peak > FREE_FRACTION * limit:
+            enforced = needs_cpu_adapters() or bool(mem.limit_gib)
+            if enforced and limit and plan.peak > FREE_FRACTION * limit:
                 raise ConfigError(refusal(plan, limit, source, fits))
             os.environ[PEAK_PLAN_ENV] = json.dumps(plan.to_json())
-            found = PeakCheck(plan, limit, source)
+            found = PeakCheck(plan, limit, source, enforced=enforced)
     _CHECKS[id(config)] = (config, found)
     return found

@@ -134,6 +134,23 @@ def install_device_module() -> None:
     tt_utils.device_module = _make_cpu_device_module()
 
 
+def repoint_at_cpu() -> None:
+    """Point torchtitan at the CPU in a process where it already holds an accelerator (``device_type`` and
+    ``device_module`` in ``torchtitan.tools.utils`` and in every module of ``_COPIERS`` already imported). For
+    the memory planner's forked child on a GPU node (``titan/runtime/peak_fit.py``): its meshes and tensors
+    are the CPU's and fake, and a forked child may not initialize CUDA."""
+    import torchtitan.tools.utils as tt_utils
+
+    module = _make_cpu_device_module()
+    for name in ("torchtitan.tools.utils", *_COPIERS):
+        held = sys.modules.get(name)
+        if held is not None:
+            for attr, value in (("device_type", "cpu"), ("device_module", module)):
+                if hasattr(held, attr):
+                    setattr(held, attr, value)
+    tt_utils.device_type, tt_utils.device_module = "cpu", module
+
+
 @functools.cache
 def _dense_attention_class():
     # Built lazily so that importing this module does not import torchtitan's model code (adapter 1 first).

@@ -9,8 +9,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from low_bits_training.titan.platform.cpu import needs_cpu_adapters, repoint_at_cpu
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
 
 
@@ -91,7 +93,14 @@ def ranked(
     return fits + over
 
 
+CHILD_SECONDS = 600
+"""How long the launcher waits for the plan (Llama 3 8B: 20-30 s on a 2-core CPU); then it goes on unplanned."""
+
+
 def _child(conn, fn, args) -> None:
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork; fake tensors need no threads
+    if not needs_cpu_adapters():  # a GPU node: the plan's meshes and fake tensors are the CPU's
+        repoint_at_cpu()
     try:
         conn.send(("ok", fn(*args)))
     except NotPlanned as e:
@@ -117,6 +126,9 @@ def in_child(fn, *args):
     proc.start()
     child.close()
     try:
+        if not parent.poll(CHILD_SECONDS):
+            proc.kill()
+            raise NotPlanned(f"the planner did not finish in {CHILD_SECONDS} s")
         kind, value = parent.recv()
     except EOFError:
         kind, value = "failed", f"the planning process ended with exit code {proc.join() or proc.exitcode}"

@@ -6,6 +6,8 @@ profiler's allocation events on the CPU, above the tensors alive at the step's s
 ``peak_memory.json``."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,3 +112,24 @@ def test_a_compiled_run_is_planned_as_eager_above_what_it_holds(tmp_path):
     got = json.loads((run.folder / PEAK_JSON).read_text())
     planned, measured = got["planned"]["later_steps"], got["measured"]["peak"]
     assert measured < planned, got  # torch.compile saves fewer activations than the eager step planned
+
+
+def test_on_a_gpu_node_the_plan_never_refuses_on_the_cpus_attention(tmp_path):
+    # A GPU node as torchtitan sees it (no CPU adapter: device_type "cuda"), on this CPU machine. The forked
+    # planner points its own copy of torchtitan at the CPU (cpu.repoint_at_cpu), where FlexAttention has no
+    # backward: the run is not planned, says why, and is not refused; the launcher keeps "cuda".
+    code = (
+        "import torch\ntorch.accelerator.is_available = lambda: True\n"
+        "import low_bits_training.titan\nimport torchtitan.tools.utils as u\n"
+        "from low_bits_training.titan.launch.worker import build_config\n"
+        "from low_bits_training.titan.launch.memory import check_peak\n"
+        f"c = build_config(['--config-file', 'train_configs/debug_model.toml', '--dump_folder', '{tmp_path}'])\n"
+        "found = check_peak(c, 1)\n"
+        "print(u.device_type, found.plan is None, found.why_not.splitlines()[0])\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == (
+        "cuda True the planner failed: NotImplementedError: FlexAttention does not support backward on CPU. "
+        "Please set the input requires_grad to False or use another device."
+    )
