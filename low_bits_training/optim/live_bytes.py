@@ -16,16 +16,7 @@ import torch
 
 from .budget import StateBytes, dtype_name
 from .dist import local
-
-
-def _storages(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``t``: its local shard, a tensor subclass's inner tensors (torchao's
-    codes / scale / qmap)."""
-    t = local(t)
-    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [s for n in names for s in _storages(getattr(t, n))]
+from .memory import inner_tensors
 
 
 def state_name(key: str) -> str:
@@ -51,7 +42,7 @@ def live_bytes(params: Iterable[torch.Tensor], optimizer_states: Iterable[dict[s
     out, seen = StateBytes(), set()
 
     def add(state: str, t: torch.Tensor) -> None:
-        for s in _storages(t):
+        for s in inner_tensors(local(t)):
             key = (s.device, s.untyped_storage().data_ptr())
             if key not in seen or s.untyped_storage().nbytes() == 0:
                 seen.add(key)

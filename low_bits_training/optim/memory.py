@@ -17,10 +17,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 def allocated_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -151,6 +149,31 @@ class HeldBytes:
         return {name: net - self.outputs.get(name, 0) for name, net in self.net.items()}
 
 
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``: itself, or a tensor subclass's inner tensors (DTensor's local shard,
+    torchao's codes / scale / qmap), found through ``__tensor_flatten__``."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [
+        s for n in names if isinstance(inner := getattr(t, n), torch.Tensor) for s in inner_tensors(inner)
+    ]
+
+
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages of ``inner_tensors(t)``."""
+    return [x.untyped_storage() for x in inner_tensors(t)]
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors in an op's output (a tensor, or tuples / lists of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, tuple | list):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
 class LiveStorages(TorchDispatchMode):
     """An allocator's count run on tensors with no memory (``FakeTensorMode``): every storage an op makes is
     counted from the op that makes it until the last reference to it goes, tagged with the ``part`` it
@@ -181,7 +204,7 @@ class LiveStorages(TorchDispatchMode):
 
     def add(self, t: torch.Tensor, part: str | None = None) -> None:
         """Count ``t``'s storages (made before the count started, or to retag one with ``part``)."""
-        for st in get_untyped_storages(t):
+        for st in storages_of(t):
             info = self._seen.get(st)
             if info is not None:
                 info[1] = part or info[1]
@@ -240,9 +263,8 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.add(t)
+        for t in _tensors(out):
+            self.add(t)
         return out
 
 
@@ -258,7 +280,7 @@ def live_tensor_bytes(device: torch.device | str = "cpu") -> int:
         if not issubclass(type(obj), torch.Tensor):  # type(): a dead weakref.proxy raises on isinstance
             continue
         try:
-            for st in get_untyped_storages(obj):
+            for st in storages_of(obj):
                 if st.device.type == device.type and st.nbytes():
                     seen[st.data_ptr()] = st.nbytes()
         except (RuntimeError, NotImplementedError, AssertionError):  # a tensor without storage (meta, sparse)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .runs import RunData, flop_shares, load_run, peak_rows, saved_rows, state_rows, whatif_summary
+from .runs import RunData, flop_shares, load_run, saved_rows, state_rows, whatif_summary
 
 COLUMNS = (
     ("run", "run"),
@@ -87,6 +87,22 @@ def _table(rows: list[dict[str, Any]], columns=COLUMNS, table_id: str = "numbers
 def _img(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
     return f'<figure><img alt="{path.stem}" src="data:image/png;base64,{data}"><figcaption>{path.name}</figcaption></figure>'
+
+
+def peak_rows(run: RunData) -> list[dict[str, Any]]:
+    """The byte report's peak memory of rank 0: each part the plan names at its peak, then the planned and the
+    measured peak (GiB; empty: no peak_memory.json)."""
+    if not run.peak:
+        return []
+    plan, measured = run.peak.get("planned") or {}, run.peak.get("measured") or {}
+    rows = [{"what": part, "gib": round(b / 2**30, 3)} for part, b in (plan.get("parts") or {}).items()]
+    if plan:
+        rows.append({"what": "planned peak, a later step", "gib": round(plan["later_steps"] / 2**30, 3)})
+    if measured:
+        rows.append(
+            {"what": f"measured peak, step {measured['step']}", "gib": round(measured["peak"] / 2**30, 3)}
+        )
+    return rows
 
 
 def build_report(folders: list[str | Path], out: str | Path) -> Path:

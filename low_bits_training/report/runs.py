@@ -168,22 +168,6 @@ def load_run(folder: str | Path) -> RunData:
     return RunData(folder.resolve().name, folder, metrics, own, alt, decisions, budget, peak)
 
 
-def peak_rows(run: RunData) -> list[dict[str, Any]]:
-    """The byte report's peak memory of rank 0: each part the plan names at its peak, then the planned and the
-    measured peak (GiB; empty: no peak_memory.json)."""
-    if not run.peak:
-        return []
-    plan, measured = run.peak.get("planned") or {}, run.peak.get("measured") or {}
-    rows = [{"what": part, "gib": round(b / 2**30, 3)} for part, b in (plan.get("parts") or {}).items()]
-    if plan:
-        rows.append({"what": "planned peak, a later step", "gib": round(plan["later_steps"] / 2**30, 3)})
-    if measured:
-        rows.append(
-            {"what": f"measured peak, step {measured['step']}", "gib": round(measured["peak"] / 2**30, 3)}
-        )
-    return rows
-
-
 def state_rows(run: RunData) -> list[dict[str, Any]]:
     """The byte report's training states: bytes per parameter computed from the config and measured on the
     live tensors, with the format (empty: no state_bytes.json)."""

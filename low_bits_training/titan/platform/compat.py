@@ -204,6 +204,57 @@ UPSTREAM: dict[str, Upstream] = {
         "``_sharded_param_data`` (the padded fp32 shard, flat) and ``_sharded_local_tensor`` (torchao's "
         "Float8 weight wrapper, if any) of a parameter",
     ),
+    "unset_fake": Upstream(
+        "torch._subclasses.fake_tensor:unset_fake_temporarily",
+        213,
+        "8310fcc18043ace9",
+        "shape arithmetic on real tensors under the memory planner's fake mode (optim/dist.py, optim/codec.py: "
+        "below titan, read directly)",
+    ),
+    "dispatch_mode": Upstream(
+        "torch.utils._python_dispatch:TorchDispatchMode",
+        72,
+        "3c4d4a7804016d56",
+        "the memory planner's count of every storage an op makes (optim/memory.py LiveStorages: below titan, "
+        "read directly)",
+    ),
+    "fake_tensor_mode": Upstream(
+        "torch._subclasses.fake_tensor:FakeTensorMode",
+        1528,
+        "5627e26e06de039c",
+        "tensors with shapes and no memory, on which the memory planner runs two training steps",
+    ),
+    "fake_data_dependent": Upstream(
+        "torch._subclasses.fake_tensor:DataDependentOutputException",
+        175,
+        "d9a29f73163b66b7",
+        "what an op raises on fake tensors when it needs their values (the planner stands the states in)",
+    ),
+    "fake_dynamic_shape": Upstream(
+        "torch._subclasses.fake_tensor:DynamicOutputShapeException",
+        170,
+        "537506322e2eda86",
+        "what an op raises on fake tensors when its output shape depends on values",
+    ),
+    "fake_unsupported": Upstream(
+        "torch._subclasses.fake_tensor:UnsupportedFakeTensorException",
+        149,
+        "357f373e1ee194f7",
+        "what an op raises that has no fake implementation",
+    ),
+    "fake_process_group": Upstream(
+        "torch.testing._internal.distributed.fake_pg:_create_fake_pg",
+        14,
+        "d9f25be8ef84737a",
+        "torch's fake backend (registered when its module is imported): collectives that return at once with "
+        "tensors of the right shapes, for the memory planner",
+    ),
+    "forward_backward_body": Upstream(
+        "torchtitan.trainer:Trainer._forward_backward_body",
+        806,
+        "2d88c5250155b17d",
+        "torchtitan's own forward, loss and backward of one microbatch, run by the memory planner on a stand-in",
+    ),
 }
 
 
@@ -483,3 +534,36 @@ def dtensor_local_tensor(t: Any) -> Any:
     """A DTensor's local tensor object itself (``DTensor._local_tensor``; ``to_local()`` returns an autograd
     view, which hides torchao's fp8 weight wrapper class)."""
     return t._local_tensor
+
+
+# --- fake tensors and a fake process group: the memory planner (titan/runtime/peak.py) -----------------------
+
+
+def fake_process_group(world_size: int) -> None:
+    """Rank 0 of a process group of ``world_size`` on torch's fake backend (``fake_process_group``)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import fake_pg  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` that also takes real tensors as inputs (``fake_tensor_mode``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_refusals() -> tuple[type, ...]:
+    """What ops raise on fake tensors when they need values or have no fake kernel (``fake_data_dependent``,
+    ``fake_dynamic_shape``, ``fake_unsupported``)."""
+    from torch._subclasses import fake_tensor as ft
+
+    return ft.DataDependentOutputException, ft.DynamicOutputShapeException, ft.UnsupportedFakeTensorException
+
+
+def forward_backward_body(trainer: Any, *args: Any) -> Any:
+    """torchtitan's forward, loss and backward of one microbatch on ``trainer`` (``forward_backward_body``)."""
+    from torchtitan.trainer import Trainer
+
+    return Trainer._forward_backward_body(trainer, *args)

@@ -22,13 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedFakeTensorException,
-)
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -37,6 +30,12 @@ from torchtitan.trainer import Trainer
 
 from low_bits_training.optim.budget import StateBytes
 from low_bits_training.optim.memory import LiveStorages
+from low_bits_training.titan.platform.compat import (
+    fake_process_group,
+    fake_refusals,
+    fake_tensor_mode,
+    forward_backward_body,
+)
 from low_bits_training.titan.runtime.budget import planned
 
 PARTS = ("parameters", "buffers", "gradients", "optimizer states", "forward and backward", "optimizer step")
@@ -109,7 +108,7 @@ def _check_plannable(config: Any) -> None:
 
 @contextlib.contextmanager
 def _fake_group(world_size: int):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    fake_process_group(world_size)
     try:
         yield
     finally:
@@ -149,7 +148,7 @@ def _tag_step_state(count: LiveStorages, model: torch.nn.Module, optimizers) -> 
                     count.add(v, "optimizer states")
 
 
-FAKE_REFUSALS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)
+FAKE_REFUSALS = fake_refusals()
 """What an op raises on tensors with no values when it needs them."""
 
 
@@ -194,7 +193,7 @@ def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable
         dims.build_mesh()  # before the fake mode: the meshes read their ranks from real tensors
         dims.get_all_one_dimensional_meshes()
         budget = _budget(config, world_size)  # before the count: it builds the model on meta
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_tensor_mode():
             peaks = _two_steps(config, model_of(config), dims, scratch, compile_off, count, budget)
     (first, first_parts, first_phase), (later, later_parts, later_phase) = peaks
     parts, phase = (first_parts, first_phase) if first >= later else (later_parts, later_phase)
@@ -254,7 +253,7 @@ def _two_steps(
                 inputs, labels, extra = Trainer.post_dataloading_process(
                     trainer, {"input": tokens, "positions": positions}, tokens.clone()
                 )
-                Trainer._forward_backward_body(trainer, inputs, labels, valid, extra)
+                forward_backward_body(trainer, inputs, labels, valid, extra)
                 _tag_step_state(count, model, optimizers)
             count.phase = "optimizer step"
             if not stand_ins:
