@@ -17,6 +17,7 @@ from low_bits_training.titan.launch.validate import model_as_trained
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, gib
 from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit, ranked
+from low_bits_training.titan.targets.registry import run_of
 
 
 def free_memory() -> tuple[int, str]:
@@ -113,6 +114,23 @@ def fit_table(config: Any, world_size: int) -> str:
     return "\n".join(out).lstrip("\n")
 
 
+_PLANS: dict[str, tuple] = {}
+
+
+def _planned(config: Any, world_size: int, device_type: str, allowed: int) -> tuple[PeakPlan, list]:
+    """``peak_fit.plan_and_fit`` in a forked child, once per process for the same run: the resolved config
+    (``to_dict``), the hardware its precision plan was resolved on, the ranks, the device and the limit
+    (lbt-doctor and the launcher's check in one process, or a test process that checks one config often)."""
+    key = json.dumps(
+        [config.to_dict(), str(run_of(config).hardware), world_size, device_type, allowed],
+        sort_keys=True,
+        default=str,
+    )
+    if key not in _PLANS:
+        _PLANS[key] = in_child(plan_and_fit, config, world_size, device_type, model_as_trained, allowed)
+    return _PLANS[key]
+
+
 def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
     """Plan rank 0's peak (``titan/runtime/peak.py``, in a forked child) and refuse a run over
     ``FREE_FRACTION`` of the limit: ``memory.limit_gib``, or this machine's free memory when the ranks start
@@ -128,9 +146,7 @@ def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
         found = PeakCheck(None, limit, source, "memory.plan = false")
     else:
         try:
-            plan, fits = in_child(
-                plan_and_fit, config, world_size, device_type, model_as_trained, int(FREE_FRACTION * limit)
-            )
+            plan, fits = _planned(config, world_size, device_type, int(FREE_FRACTION * limit))
         except NotPlanned as e:
             found = PeakCheck(None, limit, source, str(e).splitlines()[0])
         else:
