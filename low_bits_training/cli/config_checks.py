@@ -43,7 +43,11 @@ vocabulary and its plan are the preset's (shapes need no tokenizer)."""
 
 
 def checked_config(
-    config_file: str | None, args: list[str], env: dict[str, str] | None = None, stand_in: bool = False
+    config_file: str | None,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    stand_in: bool = False,
+    here: bool = True,
 ) -> tuple[Check, Any]:
     """Resolve and check the run with the launcher's own check (``titan.launch.launcher.check``: TOML,
     overrides, torchtitan's checks, the precision plan, datasets and tokenizer, value ranges, parallel degrees
@@ -53,6 +57,7 @@ def checked_config(
         stand_in: where the launcher's only refusal is a missing tokenizer, resolve the run again with
             ``TOKENIZER_FREE`` and return that config with a WARN that says training would stop there
             (lbt-doctor and lbt-speed: the plan needs no tokenizer). Without it that refusal is a FAIL.
+        here: the ranks would start on this machine (``launcher.check``'s ``here``); False for named hardware.
 
     Returns:
         The check and the built config (None when it did not resolve).
@@ -60,11 +65,11 @@ def checked_config(
     processes = _processes(env if env is not None else dict(os.environ))
     try:
         config, resume = check(
-            (["--config-file", config_file] if config_file else []) + list(args), processes
+            (["--config-file", config_file] if config_file else []) + list(args), processes, here
         )
     except TokenizerMissing as e:
         if stand_in:
-            return _stood_in(config_file, args, env, e)
+            return _stood_in(config_file, args, env, e, here)
         return Check("config", "FAIL", str(e), "fix the key named above"), None
     except ConfigError as e:
         return Check("config", "FAIL", str(e), "fix the key named above"), None
@@ -81,11 +86,11 @@ def checked_config(
 
 
 def _stood_in(
-    config_file: str | None, args: list[str], env: dict[str, str] | None, missing: Exception
+    config_file: str | None, args: list[str], env: dict[str, str] | None, missing: Exception, here: bool
 ) -> tuple[Check, Any]:
     """``checked_config`` with the built-in corpus in place of the missing tokenizer: a WARN naming the
     launcher's refusal (or the stand-in's own FAIL)."""
-    status, config = checked_config(config_file, [*args, *TOKENIZER_FREE], env)
+    status, config = checked_config(config_file, [*args, *TOKENIZER_FREE], env, here=here)
     if config is None:
         return status, None
     detail = (
@@ -121,6 +126,7 @@ def config_checks(
     extra_recipes: list[str],
     hw: Hardware,
     more: tuple = (),
+    here: bool = True,
 ) -> tuple[list[Check], bool]:
     """All checks that need the config, judged on hardware ``hw``; ``more``: functions
     ``(config, hw) -> list[Check]`` of the callers' own (lbt-doctor's speed row), after the compile row.
@@ -128,7 +134,7 @@ def config_checks(
     Returns:
         The checks and whether the config asks for W&B.
     """
-    status, config = checked_config(config_file, args, env, stand_in=True)
+    status, config = checked_config(config_file, args, env, stand_in=True, here=here)
     if config is None:
         return [status], False
     checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]

@@ -72,15 +72,24 @@ def run_checks(
         args: training overrides as the launcher takes them (``--quantize.recipe fp8_rowwise``).
         env: the environment to judge (``os.environ``).
         recipes: more recipe names to judge on the same model (e.g. every recipe of a sweep).
-        hw: the hardware to judge the plan on (default: this machine's).
+        hw: the hardware to judge the plan on (default: this machine's). Named hardware is judged as the
+            launcher's ``--check-only`` judges a run for GPUs elsewhere: no accelerator or memory check against
+            this machine (``memory.limit_gib`` still holds the plan).
 
     Returns:
         The checks.
     """
     checks = [*check_versions(), check_cuda(), check_nccl(), check_gpu_count(env)]
+    elsewhere = hw is not None  # judged as on named hardware: the run's memory is not held to this machine
     hw = hw or detect_hardware()
     more, wandb_asked = config_checks(
-        config_file or default_config_file(env), args, dict(env), recipes or [], hw, (check_speed,)
+        config_file or default_config_file(env),
+        args,
+        dict(env),
+        recipes or [],
+        hw,
+        (check_speed,),
+        not elsewhere,
     )
     return [*checks, check_wandb(env, wandb_asked), *more]
 
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> ExitCode:
         and (repo / "run_llama_train.sh").is_file()
     ):
         os.chdir(repo)  # as run_llama_train.sh does: the default run's relative paths are the repository's
-    checks = run_checks(ns.config_file, rest, os.environ, ns.recipe, hardware(ns.hardware))
+    hw = hardware(ns.hardware) if ns.hardware else None
+    checks = run_checks(ns.config_file, rest, os.environ, ns.recipe, hw)
     print(render(checks))
     fails = sum(c.status == "FAIL" for c in checks)
     warns = sum(c.status == "WARN" for c in checks)
