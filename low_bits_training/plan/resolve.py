@@ -134,8 +134,14 @@ def select_roles(patterns: list[str], where: str) -> list[str]:
     return [r for r in ROLE_NAMES if any(fnmatch.fnmatchcase(r, p) for p in patterns)]
 
 
-_BOUND_OPTIONS = {"four_over_six": "off", "amax_history": 0}
-"""Options a spec holds only with some formats / scalings (4over6: e2m1 blocks; delayed: tensor scaling)."""
+_BOUND_OPTIONS = {
+    "four_over_six": "off",
+    "amax_history": 0,
+    "scale_underflow": "clamp",
+    "scale_order": "decode",
+}
+"""Options a spec holds only with some formats / scalings (4over6: e2m1 blocks; delayed: tensor scaling;
+Transformer Engine's zeroed underflow and encode-first order: exact two-level scales)."""
 
 
 def rule_spec(rule: QuantRule, current: QuantSpec | None, where: str) -> QuantSpec | None:

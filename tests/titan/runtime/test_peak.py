@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from helpers import REPO, train
+from helpers import CORPUS, REPO, train
 from low_bits_training.config.memory import FREE_FRACTION
 from low_bits_training.optim.memory import HeldBytes, LiveStorages
 from low_bits_training.run.folder import PEAK_JSON
@@ -123,7 +123,8 @@ def test_on_a_gpu_node_the_plan_never_refuses_on_the_cpus_attention(tmp_path):
         "import low_bits_training.titan\nimport torchtitan.tools.utils as u\n"
         "from low_bits_training.titan.launch.worker import build_config\n"
         "from low_bits_training.titan.launch.memory import check_peak\n"
-        f"c = build_config(['--config-file', 'train_configs/debug_model.toml', '--dump_folder', '{tmp_path}'])\n"
+        f"c = build_config(['--config-file', 'train_configs/debug_model.toml', '--dump_folder', '{tmp_path}', "
+        f"'--dataloader.dataset_path', '{CORPUS}'])\n"
         "found = check_peak(c, 1)\n"
         "print(u.device_type, found.plan is None, found.why_not.splitlines()[0])\n"
     )
