@@ -141,17 +141,18 @@ def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
         ConfigError: the run does not fit (``refusal``), before any rank starts.
     """
     mem = config.memory
-    limit, source, device_type = limit_of(config, here)
-    if not mem.plan:
-        found = PeakCheck(None, limit, source, "memory.plan = false")
+    if not mem.plan:  # no free-memory read either (on a GPU node that would initialize CUDA here)
+        found = PeakCheck(None, why_not="memory.plan = false")
     else:
+        limit, source, device_type = limit_of(config, here)
+        enforced = needs_cpu_adapters() or bool(mem.limit_gib)
+        allowed = int(FREE_FRACTION * limit) if enforced else 0  # not enforced: no changes searched
         try:
-            plan, fits = _planned(config, world_size, device_type, int(FREE_FRACTION * limit))
+            plan, fits = _planned(config, world_size, device_type, allowed)
         except NotPlanned as e:
             found = PeakCheck(None, limit, source, str(e).splitlines()[0])
         else:
-            enforced = needs_cpu_adapters() or bool(mem.limit_gib)
-            if enforced and limit and plan.peak > FREE_FRACTION * limit:
+            if allowed and plan.peak > allowed:
                 raise ConfigError(refusal(plan, limit, source, fits))
             os.environ[PEAK_PLAN_ENV] = json.dumps(plan.to_json())
             found = PeakCheck(plan, limit, source, enforced=enforced)
