@@ -8,6 +8,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
+from low_bits_training.upstream import has_kernel, has_triton
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -23,7 +25,7 @@ class Hardware:
     with a CUDA kernel: torchao built for this torch, CUDA >= 12.8, SM100). Named hardware (doctor, tests)
     assumes it; ``detect_hardware`` checks it."""
     triton: bool = True
-    """Triton can compile for this device (torchao's Triton casts; ``torch.utils._triton.has_triton``)."""
+    """Triton can compile for this device (torchao's Triton casts; torch's probe, ``upstream.has_triton``)."""
 
     def has(self, need: tuple[int, int]) -> bool:
         """True on a CUDA device of at least compute capability ``need``."""
@@ -40,8 +42,6 @@ def detect_hardware() -> Hardware:
     have_ao = importlib.util.find_spec("torchao") is not None
     if not torch.cuda.is_available():
         return Hardware("cpu", None, have_ao, mxfp8_cuda_cast=False, triton=False)
-    from torch.utils._triton import has_triton
-
     capability = tuple(torch.cuda.get_device_capability(0))
     return Hardware("cuda", capability, have_ao, have_ao and mxfp8_cuda_cast_built(), has_triton())
 
@@ -50,14 +50,14 @@ def mxfp8_cuda_cast_built() -> bool:
     """True when ``torch.ops.torchao.mxfp8_quantize`` exists with a CUDA kernel. torchao defines the op's
     schema on SM100 with CUDA >= 12.8 (prototype/mx_formats/kernels.py) and its compiled extension registers
     the kernel (it does so on any machine: a kernel without a schema is no op); where the extension did not
-    load for this torch build, torchao only warns, and the first backward of an MXFP8 layer would raise. (``torch._C._dispatch_has_kernel_for_dispatch_key``: listed in
-    titan/platform/compat.py ``UPSTREAM``.)"""
+    load for this torch build, torchao only warns, and the first backward of an MXFP8 layer would raise (torch's
+    private dispatcher probe, through ``low_bits_training/upstream.py``)."""
     import torch
 
     try:
         import torchao.prototype.mx_formats.kernels  # noqa: F401  (defines the op where it can exist)
 
         defined = hasattr(torch.ops.torchao, "mxfp8_quantize")  # the schema: only where torchao defines it
-        return defined and torch._C._dispatch_has_kernel_for_dispatch_key("torchao::mxfp8_quantize", "CUDA")
+        return defined and has_kernel("torchao::mxfp8_quantize", "CUDA")
     except (ImportError, RuntimeError):  # RuntimeError: the op is not defined here
         return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from low_bits_training.formats import QuantSpec
+from low_bits_training.upstream import cpu_has
 
 from .cast import ShardGroups, scaled_values
 
@@ -133,9 +134,9 @@ def cpu_bf16_gemm() -> str:
     for the fp32 one, and ``mm_fp32_accumulate`` ran the fp32 kernel: there the recipes whose GEMMs take fp32
     operands run faster than the bf16 baseline (docs/precision_plan.md, "Speed of the compiled emulation").
     """
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() and torch.backends.mkldnn.is_available():
+    if cpu_has("amx") and torch.backends.mkldnn.is_available():
         return "amx"
-    return "avx512_bf16" if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() else "none"
+    return "avx512_bf16" if cpu_has("avx512_bf16") else "none"
 
 
 def machine_line() -> str:

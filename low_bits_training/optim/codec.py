@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from low_bits_training.formats import (
     QuantSpec,
@@ -39,6 +38,7 @@ from low_bits_training.formats.codebook import code_indices
 from low_bits_training.formats.native import native_fp8_dtype
 from low_bits_training.formats.rounding import nearest_thresholds, round_signed_, threshold_format
 from low_bits_training.formats.table import CodeFormat, FloatFormat, Format, IntFormat
+from low_bits_training.upstream import unset_fake_temporarily
 
 from .presets import NATIVE
 

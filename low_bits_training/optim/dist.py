@@ -8,9 +8,9 @@ parameter's mesh and placements and its own global shape, so DCP saves and resha
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from low_bits_training.upstream import compute_local_shape_and_global_offset, unset_fake_temporarily
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

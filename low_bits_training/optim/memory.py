@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from low_bits_training.upstream import TorchDispatchMode
 
 
 def allocated_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:

@@ -3,7 +3,7 @@
 Private names change without notice. Each shim here says which upstream line it answers, and ``UPSTREAM``
 records where that code stood and a digest of its source in the pinned versions (torch 2.14.1, torchtitan
 0.3.0); ``tests/titan/platform/test_compat.py`` fails when upstream changes any of them, so the shim is looked at
-again instead of breaking at run time (the lines are also named in each shim's docstring). The rest of the package calls the shims, never the private names.
+again instead of breaking at run time (the lines are also named in each shim's docstring). The rest of the package calls the shims, never the private names; the floors below titan, which may not import this module, reach the few they need through ``low_bits_training/upstream.py``, whose records ``UPSTREAM`` holds too.
 """
 
 from __future__ import annotations
@@ -12,23 +12,9 @@ import functools
 import hashlib
 import importlib
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Upstream:
-    """One private upstream name we rely on."""
-
-    target: str
-    """``module:qualname``."""
-    line: int
-    """First line of its definition in the pinned version."""
-    digest: str
-    """First 16 hex digits of the sha256 of its source in the pinned version ("" for a flag without source)."""
-    why: str
-    """What we use it for."""
-
+from low_bits_training.upstream import RECORDS, Upstream
 
 UPSTREAM: dict[str, Upstream] = {
     "config_function": Upstream(
@@ -92,13 +78,6 @@ UPSTREAM: dict[str, Upstream] = {
         "torchao's guard against Triton's NaN/Inf fp8 stores (triton-lang/triton#11111), which torchao applies "
         "only in convert_to_float8_training; we build torchao's modules through config classes instead",
     ),
-    "dispatch_has_kernel": Upstream(
-        "torch._C:_dispatch_has_kernel_for_dispatch_key",
-        0,
-        "",  # a C function: tests/titan/platform/test_gpu_path.py checks what it says for a known op
-        "whether torchao's compiled MXFP8 dim-1 cast has a CUDA kernel (plan/backends.py, which cannot "
-        "import this module, calls it directly: mxfp8_cuda_cast_built)",
-    ),
     "inductor_as_eager": Upstream(
         "torch._inductor.config:_config",
         0,
@@ -136,24 +115,6 @@ UPSTREAM: dict[str, Upstream] = {
         "torchtitan's Qwen3-MoE layer builder (and its _qwen3_norm, _EMBEDDING_INIT, _LINEAR_INIT), for the "
         "CPU-sized MoE base",
     ),
-    "dtensor_local_offset": Upstream(
-        "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
-        93,
-        "bd20cb9d5463d478",
-        "where a rank's DTensor shard starts (optim/dist.py imports it directly: optim sits below titan)",
-    ),
-    "cpu_amx": Upstream(
-        "torch.cpu:_is_amx_tile_supported",
-        102,
-        "cd8eeae518a7a395",
-        "whether the CPU has AMX tiles (nn/kernels.py cpu_bf16_gemm, below titan: read directly)",
-    ),
-    "cpu_avx512_bf16": Upstream(
-        "torch.cpu:_is_avx512_bf16_supported",
-        91,
-        "28fa7aa703299622",
-        "whether the CPU has AVX512-BF16 dot products (nn/kernels.py cpu_bf16_gemm, below titan: read directly)",
-    ),
     "llama3_builders": Upstream(
         "torchtitan.models.llama3:_build_llama3_layers",
         69,
@@ -166,12 +127,6 @@ UPSTREAM: dict[str, Upstream] = {
         "",  # an attribute set in DTensor.__new__ (no source of its own): tests/titan/targets/test_quantize_train.py's
         # torchao fp8 all-gather run depends on it
         "a DTensor's ``_local_tensor`` as it is (``to_local()`` is an autograd view): torchao's fp8 weight wrapper",
-    ),
-    "has_triton": Upstream(
-        "torch.utils._triton:has_triton",
-        208,
-        "c77cb696cc0f4bef",
-        "whether Triton can compile here (plan/backends.py reads it directly: config sits below titan)",
     ),
     "fsdp_all_gather": Upstream(
         "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather",
@@ -203,20 +158,6 @@ UPSTREAM: dict[str, Upstream] = {
         "c8322a9d55427065",
         "``_sharded_param_data`` (the padded fp32 shard, flat) and ``_sharded_local_tensor`` (torchao's "
         "Float8 weight wrapper, if any) of a parameter",
-    ),
-    "unset_fake": Upstream(
-        "torch._subclasses.fake_tensor:unset_fake_temporarily",
-        213,
-        "8310fcc18043ace9",
-        "shape arithmetic on real tensors under the memory planner's fake mode (optim/dist.py, optim/codec.py: "
-        "below titan, read directly)",
-    ),
-    "dispatch_mode": Upstream(
-        "torch.utils._python_dispatch:TorchDispatchMode",
-        72,
-        "3c4d4a7804016d56",
-        "the memory planner's count of every storage an op makes (optim/memory.py LiveStorages: below titan, "
-        "read directly)",
     ),
     "fake_tensor_mode": Upstream(
         "torch._subclasses.fake_tensor:FakeTensorMode",
@@ -255,6 +196,7 @@ UPSTREAM: dict[str, Upstream] = {
         "2d88c5250155b17d",
         "torchtitan's own forward, loss and backward of one microbatch, run by the memory planner on a stand-in",
     ),
+    **RECORDS,  # the private torch names of the floors below titan (low_bits_training/upstream.py)
 }
 
 

@@ -4,9 +4,9 @@
 ``private_names`` reads every module with ``ast``: imports of a private module or name from the three
 upstreams, attribute accesses ``x._name`` (and ``getattr(x, "_name")``) whose name the package never
 defines itself. Allowed outside compat: the CPU adapters (``titan/platform/cpu.py``, patches by design), the
-names torch documents for use although they start with an underscore (``SEMI_PUBLIC``), and, in the layers
-below titan (which cannot import compat), names recorded in ``compat.UPSTREAM`` (digest-checked like the
-shims).
+names torch documents for use although they start with an underscore (``SEMI_PUBLIC``), and
+``low_bits_training/upstream.py``, compat's half for the floors below titan (which may not import compat): its
+records are in ``compat.UPSTREAM``, digest-checked like the shims. Nothing else, in any layer.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import ast
 from pathlib import Path
 
 from helpers import REPO
+from low_bits_training import upstream
 from low_bits_training.titan.platform import compat
 
 UPSTREAMS = ("torch", "torchtitan", "torchao")
@@ -25,8 +26,7 @@ SEMI_PUBLIC = {
     "_scaled_dot_product_flash_attention_for_cpu": "an aten op name (profiling's FLOP table)",
     "_scaled_dot_product_flash_attention_for_cpu_backward": "an aten op name (profiling's FLOP table)",
 }
-BELOW_TITAN = ("formats", "numerics", "nn", "optim", "config", "data", "errors", "run", "plan")
-EXEMPT = ("titan/platform/compat.py", "titan/platform/cpu.py")
+EXEMPT = ("titan/platform/compat.py", "titan/platform/cpu.py", "upstream.py")
 
 
 def _defined(trees) -> set[str]:
@@ -65,16 +65,14 @@ def private_names(package: Path) -> list[tuple[str, int, str]]:
     """``(path, line, name)`` of every private upstream name the package reaches outside what is allowed."""
     files = {p: ast.parse(p.read_text()) for p in sorted(package.rglob("*.py"))}
     ours = _defined(files.values())
-    recorded = {part for u in compat.UPSTREAM.values() for part in u.target.replace(":", ".").split(".")}
     out = []
     for path, tree in files.items():
         rel = path.relative_to(package).as_posix()
         if rel in EXEMPT:
             continue
-        below = rel.split("/")[0] in BELOW_TITAN
         for node in ast.walk(tree):
             for name in _private(node, ours):
-                if name in SEMI_PUBLIC or (below and name in recorded):
+                if name in SEMI_PUBLIC:
                     continue
                 out.append((rel, node.lineno, name))
     return out
@@ -97,3 +95,15 @@ def test_the_check_fails_on_a_private_access(tmp_path):
     )
     got = sorted(name for _, _, name in private_names(pkg))
     assert got == ["_build_llama3_layers", "_owner", "_sharded_param_data"]
+
+
+def test_every_private_name_of_the_floors_below_titan_is_recorded_in_compat():
+    """``upstream.py`` may reach private names only with a record, and compat's ``UPSTREAM`` holds each record
+    (so test_compat digest-checks them)."""
+    path = REPO / "low_bits_training" / "upstream.py"
+    tree = ast.parse(path.read_text())
+    reached = {name for node in ast.walk(tree) for name in _private(node, set())} - set(SEMI_PUBLIC)
+    recorded = {part for u in upstream.RECORDS.values() for part in u.target.replace(":", ".").split(".")}
+    assert reached, "the check reads nothing: upstream.py reaches no private name?"
+    assert reached <= recorded, f"private names in upstream.py without a record: {sorted(reached - recorded)}"
+    assert all(compat.UPSTREAM[k] is u for k, u in upstream.RECORDS.items())
