@@ -47,6 +47,9 @@ def inductor_cache_dir() -> Path:
 
 # A test (or a caller) that sets its own cache keeps it; the training runs tests start inherit this one.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+# Peak-memory plans kept between the launcher starts of the suite (titan/launch/peak_cache.py: keyed by the
+# source and by what the planner reads, so a test that changes a run's shape is planned again).
+os.environ.setdefault("LBT_PEAK_CACHE", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parents[1] / "lbt-peak"))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from low_bits_training.titan.platform import cpu  # noqa: E402

@@ -109,10 +109,13 @@ SCHEDULE_JSON = "precision_schedule.json"
 """Every phase's plan with its first and last step; written only for a run with a schedule."""
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: a reader (or a killed writer) never
-    sees half a file."""
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` (text, or bytes as they are) to ``path`` through a temporary file of this process and a
+    rename: a reader, a killed writer or another process writing the same path never sees half a file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data)
     os.replace(tmp, path)

@@ -15,6 +15,7 @@ from low_bits_training.errors import ConfigError
 from low_bits_training.run.folder import PEAK_PLAN_ENV
 from low_bits_training.titan.launch.validate import model_as_trained
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters
+from low_bits_training.titan.launch.peak_cache import kept, plan_key
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, gib
 from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit, ranked
 from low_bits_training.titan.targets.registry import run_of
@@ -119,15 +120,15 @@ _PLANS: dict[str, tuple] = {}
 
 def _planned(config: Any, world_size: int, device_type: str, allowed: int) -> tuple[PeakPlan, list]:
     """``peak_fit.plan_and_fit`` in a forked child, once per process for the same run: the resolved config
-    (``to_dict``), the hardware its precision plan was resolved on, the ranks, the device and the limit
-    (lbt-doctor and the launcher's check in one process, or a test process that checks one config often)."""
-    key = json.dumps(
-        [config.to_dict(), str(run_of(config).hardware), world_size, device_type, allowed],
-        sort_keys=True,
-        default=str,
-    )
+    without what the planner never reads (``peak_cache.plan_key``), the hardware its precision plan was
+    resolved on, the ranks, the device and the limit (lbt-doctor and the launcher's check in one process, or a
+    test process that checks one config often); across processes too with ``LBT_PEAK_CACHE`` set
+    (``peak_cache.kept``)."""
+    key = plan_key(config, str(run_of(config).hardware), world_size, device_type, allowed)
     if key not in _PLANS:
-        _PLANS[key] = in_child(plan_and_fit, config, world_size, device_type, model_as_trained, allowed)
+        _PLANS[key] = kept(
+            key, lambda: in_child(plan_and_fit, config, world_size, device_type, model_as_trained, allowed)
+        )
     return _PLANS[key]
 
 
