@@ -214,7 +214,7 @@ def test_what_te_needs_and_a_rule_sets_it():
     with pytest.raises(ValueError, match="multiplies by two_level_scales' inverse"):
         in_scale_units(torch.ones(1, 16), torch.ones(1, 1), TE)
     with pytest.raises(
-        ConfigError, match=r"^quantize.rules.scale_order = 'nvidia': expected one of decode, te$"
+        ConfigError, match=r"^quantize.rules.scale_order = 'nvidia': expected one of decode, te, torchao$"
     ):
         QuantRule(scale_order="nvidia")
     rule = QuantRule(roles=["forward.*"], scale_apply="reciprocal", scale_order="te")
