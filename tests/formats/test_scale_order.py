@@ -208,7 +208,9 @@ def test_what_te_needs_and_a_rule_sets_it():
         dict(scale_rounding="ceil"),
     ):
         with pytest.raises(
-            ValueError, match="scale_order='te' needs tensor_scale=True, scale_rounding 'exact'"
+            ValueError,
+            match=r"scale_order='te' needs tensor_scale=True \('te': or fp32 blocks / tiles without a "
+            r"margin\), scale_rounding 'exact'",
         ):
             dataclasses.replace(TE, **bad)
     with pytest.raises(ValueError, match="multiplies by two_level_scales' inverse"):
