@@ -17,6 +17,7 @@ from low_bits_training.formats.spec import (
     FourOverSix,
     InfAmax,
     QuantSpec,
+    RhtOutput,
     RhtSigns,
     RoundingMode,
     ScaleApply,
@@ -129,7 +130,8 @@ class QuantRule(Section):
     scale_order: ScaleOrder | None = None
     """QuantSpec.scale_order: decode (tensor scale fl(amax / 2688), ours) | te (Transformer Engine's NVFP4
     arithmetic from the encode scale fl(2688 / amax); needs tensor_scale, exact scales, scale_apply =
-    "reciprocal", no 4over6)."""
+    "reciprocal", no 4over6) | torchao (torchao's NVFP4 training kernels: te's but the block scale
+    fl(fl(amax_b / 6) x e), signs kept)."""
     amax_history: Annotated[int | None, AtLeast(0)] = None
     """QuantSpec.amax_history: 0 (current scaling) or N > 0 (delayed scaling from the last N amaxes; tensor)."""
     amax_compute: AmaxCompute | None = None
@@ -142,6 +144,9 @@ class QuantRule(Section):
     rht_signs: RhtSigns | None = None
     """QuantSpec.rht_signs: seeded (from rht_seed) | te (Transformer Engine's fixed 16-long NVFP4 vector;
     needs rht = 16). Set it on both operands of the GEMM, as rht."""
+    rht_output: RhtOutput | None = None
+    """QuantSpec.rht_output: fp32 | bf16 (the RHT's result rounded to bf16 before the cast, as torchao's NVFP4
+    training kernels; set it on both operands of the GEMM, as rht)."""
     source: Source | None = None
     """QuantSpec.source: high | forward (dgrad.weight / wgrad.input cast from the forward GEMM's cast)."""
 

@@ -25,6 +25,7 @@ import math
 import torch
 
 from .random import derive_key, random_bits
+from .rounding import round_to
 
 
 def check_size(size: int) -> None:
@@ -65,6 +66,14 @@ def sign_vector(size: int, seed: int = 0, signs: str = "seeded") -> tuple[int, .
 def operand_signs(spec) -> tuple[int, ...]:
     """The sign vector of a ``QuantSpec`` whose ``rht`` is on (its ``rht_key``)."""
     return sign_vector(*spec.rht_key)
+
+
+def operand_rht(t: torch.Tensor, spec, axis: int) -> torch.Tensor:
+    """``t`` as a GEMM operand under ``spec``'s RHT (``spec.rht`` on) along ``axis``: the fp32 transform, rounded
+    to bf16 (RNE, kept in fp32) where ``spec.rht_output = "bf16"`` (torchao's NVFP4 training kernels). By
+    ``round_to``: inductor may drop a ``.bfloat16().float()`` round trip (it does not emulate such casts)."""
+    v = rht(t, operand_signs(spec), axis)
+    return round_to(v, "bf16", saturate=False) if spec.rht_output == "bf16" else v
 
 
 @functools.lru_cache(maxsize=64)

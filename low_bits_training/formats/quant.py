@@ -29,7 +29,10 @@ def _round_scaled(xg: torch.Tensor, gs: GroupScales, spec: QuantSpec, generator)
     if spec.scaling == "none":
         return round_signed_(xg.abs(), xg, spec.elem, spec.rounding, spec.saturate, generator)
     v = in_scale_units(xg, gs.scale, spec, gs.inverse)
-    sign = v.clone() if spec.scale_order == "te" else xg  # "te": the signs after the multiply (+0 for a 0)
+    plus = (
+        spec.scale_order == "te" and spec.tensor_scale
+    )  # TE's NVFP4: the signs after the multiply (+0 for a 0)
+    sign = v.clone() if plus else xg
     return round_signed_(v.abs_(), sign, spec.elem, spec.rounding, spec.saturate, generator)
 
 

@@ -114,8 +114,7 @@ def scale_from_amax(
     Args:
         amax: fp32 group amax (>= 0, maybe NaN/inf).
         spec: the recipe (element format, scale_format, scale_rounding, margin).
-        tensor_scale: two-level scaling: the raw scale amax/max_elem is divided by this fp32 scale
-            before it is rounded to scale_format (NVFP4).
+        tensor_scale: two-level scaling: amax/max_elem is divided by this fp32 scale, then rounded (NVFP4).
         target: the element value amax maps to (default: the format's max; 4over6's other candidate: 4).
         tensor_encode: in place of tensor_scale under ``scale_order = "te"``: the encode scale (``te_order``).
 
@@ -129,7 +128,7 @@ def scale_from_amax(
     smallest = smallest_scale(spec)
     if spec.scale_rounding == "exact":
         if tensor_encode is not None:
-            s = te_order.raw_block_scale(amax, tensor_encode, max_elem)
+            s = te_order.raw_block_scale(amax, tensor_encode, max_elem, spec.scale_order)
         else:
             s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
         if spec.margin:
@@ -163,10 +162,9 @@ class GroupScales(NamedTuple):
     tensor_scale: torch.Tensor | None
     """The fp32 per-tensor scale of two-level scaling, else None."""
     inverse: torch.Tensor | None = None
-    """What the cast multiplies by in place of dividing by ``scale``: ``1 / scale`` where that is exact
-    (power-of-two scales down to 2**-127: MX; the division's bits, and a multiply is several times cheaper in
-    the cast's inner loop), always under ``scale_apply = "reciprocal"`` (Transformer Engine's multiplier
-    under ``scale_order = "te"``, ``two_level_scales``); else None."""
+    """What the cast multiplies by in place of dividing by ``scale``: ``1 / scale`` where exact (power-of-two
+    scales down to 2**-127: MX; the division's bits, cheaper), always under ``scale_apply = "reciprocal"``
+    (TE's multiplier under ``scale_order = "te"``, ``two_level_scales`` / ``te_order.one_level``); else None."""
 
 
 def tensor_scale_max(spec: QuantSpec) -> float:
@@ -188,7 +186,7 @@ def two_level_scales(amax: torch.Tensor, tensor_amax: torch.Tensor, spec: QuantS
     max)), 1 for a zero tensor; ``inverse`` is Transformer Engine's in ``scale_order = "te"``, else None."""
     top = tensor_scale_max(spec) * spec.elem.max
     ts = torch.where(tensor_amax == 0, 1.0, tensor_amax / top)
-    if spec.scale_order != "te":
+    if spec.scale_order == "decode":
         return scale_from_amax(amax, spec, tensor_scale=ts), ts, None
     enc = te_order.encode_scale(tensor_amax, top)
     bs = scale_from_amax(amax, spec, tensor_encode=enc)
@@ -211,12 +209,12 @@ def in_scale_units(
     ValueError without, and makes its zeros +0); 0 in a group zeroed for underflow (``zero_underflowed``)."""
     if inverse is not None:
         v = x * inverse
-    elif spec.scale_order == "te":
+    elif spec.scale_order != "decode":
         raise ValueError(f"in_scale_units: {spec} multiplies by two_level_scales' inverse; none was passed")
     else:
         v = x * (1.0 / scale) if spec.scale_apply == "reciprocal" else x / scale
     v = zero_underflowed(v, scale, spec)
-    return te_order.plus_zero(v) if spec.scale_order == "te" else v
+    return te_order.plus_zero(v) if spec.scale_order == "te" and spec.tensor_scale else v
 
 
 def zero_underflowed(v: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -251,6 +249,8 @@ def group_scales(
         return GroupScales(amax, one, one, None)
     if spec.tensor_scale:
         bs, ts, inv = two_level_scales(amax, amax.amax(), spec)
+    elif spec.scale_order == "te":  # one level: Transformer Engine's encode-first exact scales
+        bs, ts, inv = te_order.one_level(amax, spec.elem.max)
     else:
         bs, ts, inv = scale_from_amax(amax, spec), None, None
     if spec.four_over_six != "off":  # 4over6: amax -> 6 or amax -> 4, the one with less error (adaptive.py)

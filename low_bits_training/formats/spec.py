@@ -20,7 +20,8 @@ Source = Literal["high", "forward"]
 RhtSigns = Literal["seeded", "te"]
 ScaleApply = Literal["divide", "reciprocal"]
 ScaleUnderflow = Literal["clamp", "zero"]
-ScaleOrder = Literal["decode", "te"]
+ScaleOrder = Literal["decode", "te", "torchao"]
+RhtOutput = Literal["fp32", "bf16"]
 ScaleFormat = Literal["fp32", "bf16", "e8m0", "ue4m3"]
 SCALE_FORMATS: tuple[str, ...] = get_args(ScaleFormat)
 HIGH = "high"
@@ -31,9 +32,8 @@ _ROUNDING_LABEL = {"nearest": "rne", "stochastic": "sr", "toward_zero": "rtz"}
 
 @functools.cache
 def choice_fields(cls: type) -> tuple[tuple[str, tuple], ...]:
-    """``(field name, allowed values)`` of each field of dataclass ``cls`` whose annotation is a ``Literal``
-    (read once per class: resolving annotations costs about a millisecond, and specs are made by the
-    thousand when a plan resolves)."""
+    """``(field name, allowed values)`` of each field of dataclass ``cls`` annotated with a ``Literal`` (read
+    once per class: resolving annotations costs about a millisecond; plans make specs by the thousand)."""
     hints = get_type_hints(cls)
     return tuple(
         (f.name, get_args(hints[f.name])) for f in fields(cls) if get_origin(hints[f.name]) is Literal
@@ -58,9 +58,9 @@ class QuantSpec:
     scale_format: ScaleFormat = "fp32"
     """Format the scales are stored in: "fp32" | "bf16" | "e8m0" | "ue4m3"."""
     scale_rounding: ScaleRounding = "exact"
-    """How amax becomes a scale: "exact" amax/max_elem rounded (RNE) to scale_format; "floor"
-    2**(floor(log2 amax) - emax_elem) (OCP MX v1.0 sec. 6.3); "ceil" 2**(ceil(log2 amax) - emax_elem);
-    "rceil" amax/max_elem rounded up to a power of two (NVIDIA cuBLAS / torchao RCEIL)."""
+    """How amax becomes a scale: "exact" amax/max_elem rounded (RNE) to scale_format; "floor" 2**(floor(log2
+    amax) - emax_elem) (OCP MX v1.0 sec. 6.3); "ceil" 2**(ceil(log2 amax) - emax_elem); "rceil" amax/max_elem
+    rounded up to a power of two (NVIDIA cuBLAS / torchao RCEIL; TE's power-of-two fp8 block scales)."""
     rounding: RoundingMode = "nearest"
     """Element rounding: "nearest" (ties to even), "stochastic", "toward_zero"."""
     saturate: bool = True
@@ -98,25 +98,29 @@ class QuantSpec:
     round(fl(fl(amax_b / 6) / tensor scale)), 2688 = 448 x 6 for NVFP4) or "te" (Transformer Engine's NVFP4
     quantizer: the tensor encode scale e = fl(2688 / amax), block scale round(fl(amax_b x fl(e x fl(1 / 6)))),
     and the values multiplied by fl(1 / fl(block scale x fl(1 / e))), each capped at fp32's max; a value that
-    is 0 in scale units gets the +0 code). Either way a value dequantizes as (element x block scale) x
-    fl(amax / 2688). "te" needs ``tensor_scale``, "exact" scales, ``scale_apply = "reciprocal"`` and no
-    4over6."""
+    is 0 in scale units gets the +0 code) or "torchao" (torchao 0.18's NVFP4 training kernels: as "te" but the
+    block scale round(fl(fl(amax_b / 6) x e)), signs kept). Either way a value dequantizes as (element x block
+    scale) x fl(amax / 2688). "te" / "torchao" need ``tensor_scale``, "exact" scales, ``scale_apply =
+    "reciprocal"`` and no 4over6 (``formats.te_order``). One level: "te" on fp32 blocks / tiles is TE's
+    Float8BlockQuantizer, values times fl(448 / amax_b), scale fl(1 / that), signs kept."""
     amax_history: int = 0
-    """Delayed scaling ("tensor" scaling only): 0 is current scaling (the amax of the tensor itself); N > 0
-    takes the amax from the last N casts of this operand (a history the layer keeps, ``nn.delayed``), as
-    Transformer Engine's DelayedScaling. Without a history (``fake_quantize`` alone) it is current scaling."""
+    """Delayed scaling ("tensor" scaling only): 0 is current scaling (the amax of the tensor itself); N > 0 takes
+    the amax from the last N casts of this operand (a history the layer keeps, ``nn.delayed``), as TE's
+    DelayedScaling. Without a history (``fake_quantize`` alone) it is current scaling."""
     amax_compute: AmaxCompute = "max"
     """Delayed scaling: the amax of the history, "max" (of all N) or "most_recent"."""
     rht: int = 0
-    """GEMM operand transform: a random Hadamard transform of this size (a power of two, 0: none) applied
-    along the GEMM's contraction dim before the cast, by the quantized matmul (``nn``), to both operands
-    of a GEMM so that it cancels in the product. ``fake_quantize`` does not apply it (``formats.hadamard``)."""
+    """GEMM operand transform: a random Hadamard transform of this size (a power of two, 0: none) applied along
+    the GEMM's contraction dim before the cast, by the quantized matmul (``nn``), to both operands so that it
+    cancels in the product. ``fake_quantize`` does not apply it (``formats.hadamard``)."""
     rht_seed: int = 0
-    """Seed of the RHT's random sign vector (``formats.hadamard.sign_vector``): the same on every rank."""
+    """Seed of the RHT's random sign vector (``hadamard.sign_vector``): the same on every rank."""
     rht_signs: RhtSigns = "seeded"
-    """The RHT's sign vector: "seeded" (drawn from ``rht_seed``) or a fixed vector by name
-    (``formats.hadamard.NAMED_SIGNS``): "te", Transformer Engine's 16-long NVFP4 wgrad vector (needs
-    ``rht = 16``)."""
+    """The RHT's sign vector: "seeded" (drawn from ``rht_seed``) or a fixed vector by name (``formats.hadamard.
+    NAMED_SIGNS``): "te", Transformer Engine's 16-long NVFP4 wgrad vector (needs ``rht = 16``)."""
+    rht_output: RhtOutput = "fp32"
+    """The RHT's result before the cast: "fp32", or rounded to "bf16" (RNE), as torchao's NVFP4 training
+    kernels store the rotated tile before its amax and cast (read only with ``rht``)."""
     source: Source = "high"
     """What a backward GEMM operand is cast from (``nn``): "high" (the high-precision tensor) or "forward"
     (the forward GEMM's cast of the same tensor, cast again: dgrad.weight and wgrad.input only)."""
@@ -164,15 +168,17 @@ class QuantSpec:
                 "QuantSpec.scale_underflow='zero' needs scaled groups with scale_rounding 'exact', got "
                 f"{self.scaling!r}, {self.scale_rounding!r}"
             )
-        if self.scale_order == "te" and (
-            not self.tensor_scale
+        one = self.scale_order == "te" and self.scaling in ("block", "tile") and self.scale_format == "fp32"
+        if self.scale_order != "decode" and (
+            not (self.tensor_scale or one and not self.margin)
             or self.scale_rounding != "exact"
             or self.scale_apply != "reciprocal"
             or self.four_over_six != "off"
         ):
             raise ValueError(
-                "QuantSpec.scale_order='te' needs tensor_scale=True, scale_rounding 'exact', scale_apply "
-                f"'reciprocal' and four_over_six 'off', got {self.tensor_scale}, {self.scale_rounding!r}, "
+                f"QuantSpec.scale_order={self.scale_order!r} needs tensor_scale=True ('te': or fp32 blocks / tiles "
+                "without a margin), scale_rounding 'exact', "
+                f"scale_apply 'reciprocal' and four_over_six 'off', got {self.tensor_scale}, {self.scale_rounding!r}, "
                 f"{self.scale_apply!r}, {self.four_over_six!r}"
             )
         if self.amax_history and self.scaling != "tensor":
@@ -216,14 +222,14 @@ class QuantSpec:
             extra += f",4/6{self.four_over_six}" if self.four_over_six != "off" else ""
             extra += ",recip" if self.scale_apply == "reciprocal" else ""
             extra += ",uf0" if self.scale_underflow == "zero" else ""
-            extra += ",teorder" if self.scale_order == "te" else ""
+            extra += {"decode": "", "te": ",teorder", "torchao": ",aoorder"}[self.scale_order]
             extra += f",delayed{self.amax_history}{self.amax_compute}" if self.amax_history else ""
             where += f"({self.scale_format},{self.scale_rounding}{extra})"
         sat = "" if self.saturate else "/nosat"
         signs = (
             self.rht_signs if self.rht_signs != "seeded" else (f"s{self.rht_seed}" if self.rht_seed else "")
         )
-        pre = f"rht{self.rht}{signs}:" if self.rht else ""
+        pre = f"rht{self.rht}{signs}{'/bf16' if self.rht_output == 'bf16' else ''}:" if self.rht else ""
         pre = ("fwd:" if self.source == "forward" else "") + pre
         return f"{pre}{self.elem.name}/{where}/{_ROUNDING_LABEL[self.rounding]}{sat}"
 

@@ -142,7 +142,7 @@ def source_operand(i: int, tensors: dict[str, torch.Tensor], spec, axis: int | N
     t = tensors[source_key(role, spec)]
     axis = role.axis if axis is None else axis
     if spec is not None and spec.rht:  # along the contraction dim; the GEMM's other operand gets the same
-        t = hadamard.rht(t, hadamard.operand_signs(spec), axis)
+        t = hadamard.operand_rht(t, spec, axis)
     return t
 
 

@@ -22,6 +22,7 @@ from low_bits_training.formats import (
     in_scale_units,
     round_to,
     scale_from_amax,
+    te_order,
 )
 from low_bits_training.formats.scaling import two_level_scales
 
@@ -100,5 +101,10 @@ def group_cast(
         bs, ts, inv = _two_level_scales(t, spec, amax)
         q = _round(in_scale_units(t.reshape(gshape), bs * ts, spec, inv), spec, key)  # block x tensor scale
         return Factored(q * bs, ts).value(in_place=True).reshape(t.shape)  # as fake_quantize dequantizes
-    scale = scale_from_amax(amax, spec)  # the per-group scale, broadcast to each row (or element)
-    return _round(in_scale_units(t, scale, spec), spec, key) * scale
+    # the per-group scale, broadcast to each row (or element); TE's encode-first one under scale_order "te"
+    scale, _, inv = (
+        te_order.one_level(amax, spec.elem.max)
+        if spec.scale_order == "te"
+        else (scale_from_amax(amax, spec), None, None)
+    )
+    return _round(in_scale_units(t, scale, spec, inv), spec, key) * scale

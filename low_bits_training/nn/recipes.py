@@ -27,6 +27,17 @@ it feeds, with the axis set to that GEMM's contraction dim (``nn.operands``). Co
   TE's fixed RHT sign vector on the wgrad operands (``rht_signs = "te"``) and TE's scale arithmetic on every
   role (``scale_apply = "reciprocal"``, ``scale_underflow = "zero"``, ``scale_order = "te"``); what is not
   copied: docs/precision_plan.md, "nvfp4_te".
+- nvfp4_torchao: ``nvfp4`` as torchao 0.18's NVFP4 training module (``NVFP4TrainingConfig``, its Triton
+  kernels) computes it: the same roles; torchao's scale arithmetic on every role (``scale_order = "torchao"``,
+  ``scale_apply = "reciprocal"``, block scales floored at 2^-6: ``scale_min = "normal"``); the wgrad RHT's
+  result rounded to bf16 (``rht_output``). torchao draws each layer's sign vector at random unless it is
+  given one: this recipe takes TE's (pass it as ``rht_sign_vector``). Which tests stand in for torchao's
+  kernels: docs/formats.md, "Equal to whom".
+- fp8_block_te / fp8_block_te_exact: blockwise fp8 as Transformer Engine's Float8BlockScaling computes it
+  (``Float8BlockQuantizer``): e4m3 everywhere, 1x128 blocks for activations and gradients, 128x128 weight
+  tiles, fp32 scales; TE's default power-of-two scales 2^floor(log2 fl(448 / amax)) (= our "rceil") or its
+  exact ones (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``): values times fl(448 / amax), scale fl(1 / that)
+  (``scale_order = "te"`` on one level, ``formats.te_order``). deepseek_fp8 divides by fl(amax / 448).
 - mxfp8_2d_weights / fp8_rowwise_2d_weights: transpose-safe weights: mxfp8 with 32x32 e8m0 weight tiles,
   fp8_rowwise with 128x128 fp32 weight tiles (deepseek_fp8 is the 1x128-activation variant of the latter).
 - fp8_delayed: Transformer Engine's DelayedScaling (HYBRID: e4m3 forward, e5m2 gradients; amax history of
@@ -49,6 +60,10 @@ _NVFP4_RHT = 16
 """The RHT size of the nvfp4 recipe's weight-gradient GEMM (arXiv 2509.25149: 16 suffices at 12B scale)."""
 _TE_NVFP4 = dict(scale_apply="reciprocal", scale_underflow="zero", scale_order="te")
 """The scale arithmetic of Transformer Engine's NVFP4 quantizer, on every role of ``nvfp4_te``."""
+_AO_NVFP4 = dict(scale_apply="reciprocal", scale_min="normal", scale_order="torchao")
+"""The scale arithmetic of torchao's NVFP4 training kernels, on every role of ``nvfp4_torchao``."""
+_TE_FP8_EXACT = dict(scale_apply="reciprocal", scale_order="te")
+"""TE's exact fp32 block scales (``Float8BlockQuantizer`` without power-of-two scales): ``fp8_block_te_exact``."""
 
 
 def _by_operand(
@@ -66,10 +81,16 @@ def _hp_wgrad() -> dict[str, QuantSpec | None]:
 
 
 def _nvfp4(
-    rht: int = _NVFP4_RHT, sr: bool = True, weight_2d: bool = True, signs: str = "seeded", **extra
+    rht: int = _NVFP4_RHT,
+    sr: bool = True,
+    weight_2d: bool = True,
+    signs: str = "seeded",
+    rht_output: str = "fp32",
+    **extra,
 ) -> dict[str, QuantSpec | None]:
-    """NVIDIA's NVFP4 recipe, or an ablation of it (each argument switches one part); ``signs`` is the wgrad
-    RHT's sign vector (``QuantSpec.rht_signs``), ``extra`` sets the same fields on every role."""
+    """NVIDIA's NVFP4 recipe, or an ablation of it (each argument switches one part); ``signs`` /
+    ``rht_output`` are the wgrad RHT's sign vector and result (``QuantSpec.rht_signs`` / ``rht_output``),
+    ``extra`` sets the same fields on every role."""
     grad = QuantSpec.nvfp4(rounding="stochastic" if sr else "nearest", **extra)
     specs = _by_operand(
         QuantSpec.nvfp4(**extra),
@@ -77,7 +98,7 @@ def _nvfp4(
         grad,
     )
     for role in ("wgrad.grad_output", "wgrad.input"):
-        specs[role] = replace(specs[role], rht=rht, rht_signs=signs)
+        specs[role] = replace(specs[role], rht=rht, rht_signs=signs, rht_output=rht_output)
     return specs
 
 
@@ -96,6 +117,18 @@ RECIPES: dict[str, dict[str, QuantSpec | None]] = {
     "deepseek_fp8": _by_operand(
         QuantSpec.deepseek_act(), QuantSpec.deepseek_weight(), QuantSpec.deepseek_act()
     ),
+    "fp8_block_te": _by_operand(
+        *[
+            f(scale_rounding="rceil")
+            for f in (QuantSpec.deepseek_act, QuantSpec.deepseek_weight, QuantSpec.deepseek_act)
+        ]
+    ),
+    "fp8_block_te_exact": _by_operand(
+        *[
+            f(**_TE_FP8_EXACT)
+            for f in (QuantSpec.deepseek_act, QuantSpec.deepseek_weight, QuantSpec.deepseek_act)
+        ]
+    ),
     "mxfp8": _by_operand(*[QuantSpec.mxfp8("e4m3", "rceil")] * 3),
     "mxfp6": _by_operand(QuantSpec.mxfp6("e2m3"), QuantSpec.mxfp6("e2m3"), QuantSpec.mxfp6("e3m2")),
     "mxfp4": _by_operand(*[QuantSpec.mxfp4()] * 3),
@@ -105,6 +138,7 @@ RECIPES: dict[str, dict[str, QuantSpec | None]] = {
     "nvfp4_1d_weights": _nvfp4(weight_2d=False),
     "nvfp4_4over6": _nvfp4(four_over_six="mse"),
     "nvfp4_te": _nvfp4(signs="te", **_TE_NVFP4),
+    "nvfp4_torchao": _nvfp4(signs="te", rht_output="bf16", **_AO_NVFP4),
     "mxfp8_2d_weights": _with(
         _by_operand(*[QuantSpec.mxfp8("e4m3", "rceil")] * 3),
         "weight",

@@ -123,8 +123,9 @@ def torchao_recipe(plan: LinearPlan) -> TorchaoRecipe | None:
     blocks with e8m0 rceil or floor scales, optionally with the weight-gradient GEMM high. Delayed scaling,
     an RHT or a forward-cast source never match. NVFP4 is never matched: torchao's NVFP4Linear runs our
     ``nvfp4`` recipe in outline (RHT 16 on the weight-gradient operands, 16x16 weight tiles, SR gradients)
-    but not its numerics (a fixed sign vector, bf16 rotated values, a 2**-6 block-scale floor) and has no
-    CPU or emulated mode (docs/precision_plan.md).
+    but not its numerics (its scale order, bf16 rotated values, a 2**-6 block-scale floor, a random sign
+    vector per layer unless given one) and has no CPU or emulated mode; recipe ``nvfp4_torchao`` emulates
+    those numerics but is not routed to it yet (docs/formats.md, "Equal to whom").
 
     Args:
         plan: a layer's plan (its backends are ignored).

@@ -86,9 +86,10 @@ def record(buf, whatif: WhatIf, layer_key: torch.Tensor, mode: ProbeMode, role: 
     cast it (along the role's contraction dim); one with ``source = "forward"`` on the operand itself.
     """
     specs, keys = whatif.role_specs(role), _keys(layer_key, whatif, role)
-    for key in sorted({s.rht_key for s in specs if s is not None}):
-        sel = tuple(s if s is not None and s.rht_key == key else None for s in specs)
-        u = hadamard.rht(t, hadamard.sign_vector(*key), ROLES[role].axis) if key[0] else t
+    for key in sorted({(*s.rht_key, s.rht_output) for s in specs if s is not None}):
+        sel = tuple(s if s is not None and (*s.rht_key, s.rht_output) == key else None for s in specs)
+        first = next(s for s in sel if s is not None)
+        u = hadamard.operand_rht(t, first, ROLES[role].axis) if key[0] else t
         probe.record_whatif(buf, mode, role, u, sel, keys)
 
 

@@ -115,6 +115,7 @@ def test_resolve_sets_the_derived_fields():
 NVFP4_4OVER6 = QuantSpec(
     "e2m1", "block", block_size=16, scale_format="ue4m3", rounding="stochastic", saturate=False, margin=1,
     tensor_scale=True, scale_min="normal", inf_amax="nan", four_over_six="mse", rht=16, rht_seed=3, rht_signs="te",
+    rht_output="bf16",
     scale_underflow="zero",
     source="forward",
 )  # fmt: skip

@@ -208,13 +208,15 @@ def test_what_te_needs_and_a_rule_sets_it():
         dict(scale_rounding="ceil"),
     ):
         with pytest.raises(
-            ValueError, match="scale_order='te' needs tensor_scale=True, scale_rounding 'exact'"
+            ValueError,
+            match=r"scale_order='te' needs tensor_scale=True \('te': or fp32 blocks / tiles without a "
+            r"margin\), scale_rounding 'exact'",
         ):
             dataclasses.replace(TE, **bad)
     with pytest.raises(ValueError, match="multiplies by two_level_scales' inverse"):
         in_scale_units(torch.ones(1, 16), torch.ones(1, 1), TE)
     with pytest.raises(
-        ConfigError, match=r"^quantize.rules.scale_order = 'nvidia': expected one of decode, te$"
+        ConfigError, match=r"^quantize.rules.scale_order = 'nvidia': expected one of decode, te, torchao$"
     ):
         QuantRule(scale_order="nvidia")
     rule = QuantRule(roles=["forward.*"], scale_apply="reciprocal", scale_order="te")

@@ -104,6 +104,9 @@ def test_pad_multiple_follows_the_token_blocks():
         "nvfp4_no_rht": 16,
         "nvfp4_no_sr": 16,
         "nvfp4_te": 16,
+        "nvfp4_torchao": 16,
+        "fp8_block_te": 128,
+        "fp8_block_te_exact": 128,
     }
 
 

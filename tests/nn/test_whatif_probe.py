@@ -228,3 +228,27 @@ def test_monitor_writes_whatif_rows_beside_the_plans_own(tmp_path):
         10 * math.log10(w.square().sum() / (w - fake_quantize(w, B8)).square().sum())
     )
     assert {"mse", "block_dr_mean", "block_dr_max", "block_dr_over"} <= set(row)
+
+
+def test_whatif_rotates_as_each_alternative_says():
+    # nvfp4 (seeded signs, fp32 rotation) and nvfp4_torchao (TE's signs, rotation rounded to bf16) measured on
+    # one layer: each wgrad operand is rotated and rounded as that alternative's GEMM would cast it.
+    names = ("nvfp4", "nvfp4_torchao")
+    torch.manual_seed(0)
+    layer = WhatIfLinear(64, 64)
+    layer.attach_whatif(_table(names))
+    x, dy = _inputs()
+    layer(x).backward(dy)
+    operands = {"input": x.detach().reshape(-1, 64), "grad_output": dy.reshape(-1, 64)}
+    for i, role in enumerate(ROLES):
+        if not role.name.startswith("wgrad."):
+            continue
+        keys = _keys(layer.lbt_key, layer.whatif, i)
+        for k in range(len(names)):
+            spec = layer.whatif.specs[k][i]
+            t = hadamard.operand_rht(operands[role.operand].float(), spec, role.axis)
+            assert torch.equal(layer.lbt_whatif[k, i], whatif_stats(t, spec, keys[k])), (names[k], role.name)
+        ao = layer.whatif.specs[1][i]
+        assert ao.rht_output == "bf16" and ao.rht_signs == "te"
+        fp32 = hadamard.rht(operands[role.operand].float(), hadamard.operand_signs(ao), role.axis)
+        assert not torch.equal(layer.lbt_whatif[1, i], whatif_stats(fp32, ao, keys[1])), role.name

@@ -29,6 +29,8 @@ EXPECTED = {  # recipe: (CPU, H100, B200, B200 without torchao's CUDA cast)
     "fp8_rowwise_hp_wgrad": (FLOAT8_SM89 + "CPU", None, None, None),
     "mxfp8": (MXFP8_SM100 + "CPU", MXFP8_SM100 + "CUDA SM90", None, NO_CAST),
     "deepseek_fp8": (NO_MODULE + "block scaling (size 128, fp32 scales)",) * 4,
+    "fp8_block_te": (NO_MODULE + "block scaling (size 128, fp32 scales)",) * 4,
+    "fp8_block_te_exact": (NO_MODULE + "block scaling (size 128, fp32 scales)",) * 4,
     "mxfp6": (NO_MODULE + "format e2m3",) * 4,
     "mxfp4": (NO_MODULE + "format e2m1",) * 4,
     "int8": (NO_MODULE + "format int8",) * 4,
