@@ -32,16 +32,20 @@ from low_bits_training.speed import GPUS, GemmTarget, GpuSpec, gpu, predict
 from low_bits_training.speed.gpus import gpu_for_device
 from low_bits_training.speed.published import comparison
 from low_bits_training.speed.report import layer_table, published_table, summary, table
+from low_bits_training.titan.launch.memory import check_peak
 
 
 def report_run(ns, rest: list[str]) -> ExitCode:
-    config, note = load_config(ns.config_file, rest)
+    config, note = load_config(
+        ns.config_file, [*rest, *(["--quantize.recipe", ns.recipe] if ns.recipe else [])]
+    )
     if note:
         print(note)
     recipe = ns.recipe or config.quantize.recipe
     print(
         f"{ns.config_file}: recipe {recipe}, {config.training.local_batch_size} x {config.training.seq_len} tokens a GPU"
     )
+    print(f"peak memory a rank, on {ns.dp} ranks: {planned_peak(config, ns.dp)}")
     for name in ns.gpu:
         targets, plans = run_targets_on(config, gpu(name), ns.recipe, ns.dp)
         pred = predict(targets, gpu(name))
@@ -50,6 +54,16 @@ def report_run(ns, rest: list[str]) -> ExitCode:
         if ns.layers:
             print("\n" + layer_table(pred))
     return ExitCode.OK
+
+
+def planned_peak(config, ranks: int) -> str:
+    """The launcher's plan of rank 0's peak (``titan/launch/memory.py``) for ``config`` on ``ranks`` ranks, as
+    for GPUs elsewhere (CUDA's 512-byte blocks where ``memory.limit_gib`` is set, held to it, said and never
+    refused): one line."""
+    config.memory = dataclasses.replace(
+        config.memory, plan=True
+    )  # load_config turns the launcher's check off
+    return check_peak(config, ranks, here=False, refuse=False).line()
 
 
 def spec_for(hw) -> GpuSpec | None:

@@ -132,11 +132,13 @@ def _planned(config: Any, world_size: int, device_type: str, allowed: int) -> tu
     return _PLANS[key]
 
 
-def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
+def check_peak(config: Any, world_size: int, here: bool = True, refuse: bool = True) -> PeakCheck:
     """Plan rank 0's peak (``titan/runtime/peak.py``, in a forked child) and refuse a run over
     ``FREE_FRACTION`` of the limit: ``memory.limit_gib``, or this machine's free memory when the ranks start
     here. The plan goes to the ranks (``PEAK_PLAN_ENV``), which log it beside what the allocator measures;
     the check is kept for ``peak_check_of``.
+
+    ``refuse`` False (lbt-speed, which predicts): a run over the limit is planned and said, not refused.
 
     Raises:
         ConfigError: the run does not fit (``refusal``), before any rank starts.
@@ -153,7 +155,7 @@ def check_peak(config: Any, world_size: int, here: bool = True) -> PeakCheck:
         except NotPlanned as e:
             found = PeakCheck(None, limit, source, str(e).splitlines()[0])
         else:
-            if allowed and plan.peak > allowed:
+            if refuse and allowed and plan.peak > allowed:
                 raise ConfigError(refusal(plan, limit, source, fits))
             os.environ[PEAK_PLAN_ENV] = json.dumps(plan.to_json())
             found = PeakCheck(plan, limit, source, enforced=enforced)
