@@ -3,6 +3,10 @@
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_optim.py [--quick] [--steps 10] [--ranks 2]
 Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --direction 300: the relative error of the update
 direction m / sqrt(v) when the moments of a real loss go through each state format (``direction_errors``).
+Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --speed 7: the step time of LowBitAdamW's
+fused and eager step, torch's AdamW (foreach, fused) and the peers that run here (torchao AdamW8bit / AdamW4bit /
+AdamWFp8; bitsandbytes AdamW8bit and torch-optimi AdamW when installed) on 12 large tensors and on two
+transformers' parameter mixes, all in one process, repeats interleaved, medians (``step_times``).
 Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --probe 1500 --seeds 0: the excess loss of a
 regression probe against fp32 AdamW's, per state format (``probe_gaps``).
 The weights: a stack of square fp32 matrices, 12 x 2048^2 = 50.3M parameters (--quick: 4 x 1024^2 = 4.2M),
@@ -475,6 +479,7 @@ SPEED_OPTIMIZERS: dict[str, tuple[str, dict]] = {
         "LowBitAdamW",
         {"master_weights": "bf16", "master_rounding": "stochastic"},
     ),
+    "LowBitAdamW defaults (eager, fused=False)": ("LowBitAdamW", {"fused": False}),
     "torchao AdamW8bit": ("torchao", {"name": "AdamW8bit"}),
     "torchao AdamW4bit": ("torchao", {"name": "AdamW4bit"}),
     "torchao AdamWFp8": ("torchao", {"name": "AdamWFp8"}),
@@ -504,24 +509,30 @@ def _speed_opt(kind: str, extra: dict, params: list):
     return importlib.import_module("optimi").AdamW(params, **kw)
 
 
-def step_times(shapes: list, repeats: int, warmup: int = 2) -> tuple[dict[str, float], dict[str, str]]:
+def step_times(
+    shapes: list, repeats: int, labels: list[str] | None = None, warmup: int = 2
+) -> tuple[dict[str, float], dict[str, str], dict]:
     """Median step time (s) of each ``SPEED_OPTIMIZERS`` entry on fp32 parameters of ``shapes`` (gradients
     randn * 1e-3), all in this process, the repeats interleaved (optimizer after optimizer, ``repeats`` times)
     so that a load on the machine falls on all alike. Every optimizer updates its own copy of the weights.
-    Returns (label -> median seconds, label -> why it was left out)."""
+    Returns (label -> median seconds, label -> why it was left out, label -> first step's seconds)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=g) for s in shapes]
     grads = [torch.randn(s, generator=g).mul_(1e-3) for s in shapes]
-    opts, skipped = {}, {}
-    for label, (kind, extra) in SPEED_OPTIMIZERS.items():
+    opts, skipped, first = {}, {}, {}
+    for label in labels or list(SPEED_OPTIMIZERS):
+        kind, extra = SPEED_OPTIMIZERS[label]
         params = [t.clone().requires_grad_() for t in init]
         for p, gr in zip(params, grads, strict=True):
             p.grad = gr  # shared: optimizers only read gradients
         try:
             opt = _speed_opt(kind, extra, params)
-            for _ in range(warmup):  # states created, kernels compiled
+            t = time.perf_counter()
+            opt.step()  # states created, kernels compiled
+            first[label] = time.perf_counter() - t
+            for _ in range(warmup - 1):
                 opt.step()
         except Exception as e:  # noqa: BLE001 - a peer that is absent or does not run here is reported
             skipped[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
@@ -533,24 +544,25 @@ def step_times(shapes: list, repeats: int, warmup: int = 2) -> tuple[dict[str, f
             t = time.perf_counter()
             opt.step()
             times[label].append(time.perf_counter() - t)
-    return {label: statistics.median(ts) for label, ts in times.items()}, skipped
+    return {label: statistics.median(ts) for label, ts in times.items()}, skipped, first
 
 
 def speed_table(results: dict[str, tuple[dict, dict]]) -> str:
     """Step time per optimizer and mix, as a ratio to torch foreach / fused AdamW measured alongside."""
     mixes = list(results)
-    head = " | ".join(f"{m}: ms, vs foreach / vs fused" for m in mixes)
+    head = " | ".join(f"{m}: ms, vs foreach / vs fused (first step, s)" for m in mixes)
     lines = [f"| optimizer | {head} |", "|---|" + "---|" * len(mixes)]
     for label in SPEED_OPTIMIZERS:
         cells = []
         for m in mixes:
-            med, skipped = results[m]
+            med, skipped, first = results[m]
             if label not in med:
                 cells.append(f"n/a ({skipped.get(label, 'not run')})")
                 continue
-            fe, fu = med.get("torch AdamW (foreach)"), med.get("torch AdamW (fused)")
-            r = lambda ref: f"{med[label] / ref:.2f}x" if ref else "n/a"  # noqa: E731
-            cells.append(f"{med[label] * 1e3:.1f}, {r(fe)} / {r(fu)}")
+            t = med[label]
+            fe, fu = (med.get(f"torch AdamW ({k})") for k in ("foreach", "fused"))
+            ratios = " / ".join(f"{t / ref:.2f}x" if ref else "n/a" for ref in (fe, fu))
+            cells.append(f"{t * 1e3:.1f}, {ratios} ({first[label]:.1f})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -589,9 +601,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.speed:
         mixes = args.mixes or list(SPEED_MIXES)
-        results = {m: step_times(SPEED_MIXES[m], args.speed) for m in mixes}
+        results = {m: step_times(SPEED_MIXES[m], args.speed, args.only) for m in mixes}
         threads = os.environ.get("OMP_NUM_THREADS", "unset")
-        print(f"median of {args.speed} interleaved steps per optimizer, fp32 params, CPU, OMP_NUM_THREADS={threads}\n")
+        print(
+            f"median of {args.speed} interleaved steps per optimizer, fp32 params, CPU, OMP_NUM_THREADS={threads}\n"
+        )
         print(speed_table(results))
         return
     if args.probe:

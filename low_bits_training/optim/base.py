@@ -21,7 +21,9 @@ class LowBitOptimizer(Optimizer):
     State of a parameter ``p`` (all placed like ``p``; see ``codec`` for the layout): ``step`` (fp32 scalar),
     for each state name ``<name>`` (native) or ``<name>_codes`` / ``<name>_scales``, and ``master_comp``
     (bf16) with Kahan master weights. Groups may carry ``param_names`` (FQNs; they key the random streams).
-    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default) or eager.
+    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default; small chunks batched
+    several per call) or eager (``fused=False``: the reference, op by op, several times slower than torch's
+    foreach AdamW; for checks, not for training).
     """
 
     options_cls: type
@@ -124,7 +126,9 @@ class LowBitOptimizer(Optimizer):
         dev = local(p).device
         hyper = hypers.get((step, dev))
         if hyper is None:
-            hyper = torch.tensor(self.hyper(group, opts, step), dtype=torch.float32).to(dev, non_blocking=True)
+            hyper = torch.tensor(self.hyper(group, opts, step), dtype=torch.float32).to(
+                dev, non_blocking=True
+            )
             hypers[(step, dev)] = hyper
         keys = chunk_keys(opts.seed, fqn, step, lay.offset, lay.spec.purposes, lay.starts, dev)
         views = lay.tensors(p, state)
