@@ -3,6 +3,10 @@
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_optim.py [--quick] [--steps 10] [--ranks 2]
 Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --direction 300: the relative error of the update
 direction m / sqrt(v) when the moments of a real loss go through each state format (``direction_errors``).
+Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --speed 7: the step time of LowBitAdamW's
+fused and eager step, torch's AdamW (foreach, fused) and the peers that run here (torchao AdamW8bit / AdamW4bit /
+AdamWFp8; bitsandbytes AdamW8bit and torch-optimi AdamW when installed) on 12 large tensors and on two
+transformers' parameter mixes, all in one process, repeats interleaved, medians (``step_times``).
 Or: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_optim.py --probe 1500 --seeds 0: the excess loss of a
 regression probe against fp32 AdamW's, per state format (``probe_gaps``).
 The weights: a stack of square fp32 matrices, 12 x 2048^2 = 50.3M parameters (--quick: 4 x 1024^2 = 4.2M),
@@ -453,6 +457,116 @@ def probe_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def llama_shapes(dim: int, layers: int, ffn: int, vocab: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a Llama (torchtitan's layout): embedding, per layer q / k / v / o, w1 / w2 / w3 and
+    two RMSNorm weights, the final norm and the output projection."""
+    per_layer = [(dim, dim)] * 4 + [(ffn, dim), (dim, ffn), (ffn, dim), (dim,), (dim,)]
+    return [(vocab, dim), *per_layer * layers, (dim,), (vocab, dim)]
+
+
+SPEED_MIXES: dict[str, list[tuple[int, ...]]] = {
+    "12 x 2048^2 (50.3M)": [(2048, 2048)] * 12,
+    "Llama dim 512, 8 layers, vocab 16000 (43.7M, 75 tensors)": llama_shapes(512, 8, 1536, 16000),
+    "debug Llama dim 256, 6 layers, vocab 2048 (6.2M, 57 tensors)": llama_shapes(256, 6, 768, 2048),
+}
+"""Parameter mixes of ``--speed``: a few large tensors, and transformers' many small ones (norms)."""
+SPEED_OPTIMIZERS: dict[str, tuple[str, dict]] = {
+    "torch AdamW (foreach)": ("torch", {"foreach": True}),
+    "torch AdamW (fused)": ("torch", {"fused": True}),
+    "LowBitAdamW defaults (fused)": ("LowBitAdamW", {}),
+    "LowBitAdamW bf16/bf16 (fused)": ("LowBitAdamW", {"exp_avg": "bf16", "exp_avg_sq": "bf16"}),
+    "LowBitAdamW defaults, bf16 master SR (fused)": (
+        "LowBitAdamW",
+        {"master_weights": "bf16", "master_rounding": "stochastic"},
+    ),
+    "LowBitAdamW defaults (eager, fused=False)": ("LowBitAdamW", {"fused": False}),
+    "torchao AdamW8bit": ("torchao", {"name": "AdamW8bit"}),
+    "torchao AdamW4bit": ("torchao", {"name": "AdamW4bit"}),
+    "torchao AdamWFp8": ("torchao", {"name": "AdamWFp8"}),
+    "bitsandbytes AdamW8bit": ("bitsandbytes", {}),
+    "torch-optimi AdamW": ("optimi", {}),
+}
+"""Optimizers of ``--speed`` (peers that are not installed or fail on this machine are left out, said so)."""
+
+
+def _speed_opt(kind: str, extra: dict, params: list):
+    import importlib
+
+    import torch
+
+    kw = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    if kind == "torch":
+        return torch.optim.AdamW(params, **kw, **extra)
+    if kind == "LowBitAdamW":
+        from low_bits_training.optim import LowBitAdamW
+
+        names = [f"p{i}" for i in range(len(params))]
+        return LowBitAdamW([{"params": params, "param_names": names}], **kw, **extra)
+    if kind == "torchao":
+        return getattr(importlib.import_module("torchao.optim"), extra["name"])(params, **kw)
+    if kind == "bitsandbytes":
+        return importlib.import_module("bitsandbytes").optim.AdamW8bit(params, **kw)
+    return importlib.import_module("optimi").AdamW(params, **kw)
+
+
+def step_times(
+    shapes: list, repeats: int, labels: list[str] | None = None, warmup: int = 2
+) -> tuple[dict[str, float], dict[str, str], dict]:
+    """Median step time (s) of each ``SPEED_OPTIMIZERS`` entry on fp32 parameters of ``shapes`` (gradients
+    randn * 1e-3), all in this process, the repeats interleaved (optimizer after optimizer, ``repeats`` times)
+    so that a load on the machine falls on all alike. Every optimizer updates its own copy of the weights.
+    Returns (label -> median seconds, label -> why it was left out, label -> first step's seconds)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g).mul_(1e-3) for s in shapes]
+    opts, skipped, first = {}, {}, {}
+    for label in labels or list(SPEED_OPTIMIZERS):
+        kind, extra = SPEED_OPTIMIZERS[label]
+        params = [t.clone().requires_grad_() for t in init]
+        for p, gr in zip(params, grads, strict=True):
+            p.grad = gr  # shared: optimizers only read gradients
+        try:
+            opt = _speed_opt(kind, extra, params)
+            t = time.perf_counter()
+            opt.step()  # states created, kernels compiled
+            first[label] = time.perf_counter() - t
+            for _ in range(warmup - 1):
+                opt.step()
+        except Exception as e:  # noqa: BLE001 - a peer that is absent or does not run here is reported
+            skipped[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            continue
+        opts[label] = opt
+    times: dict[str, list[float]] = {label: [] for label in opts}
+    for _ in range(repeats):
+        for label, opt in opts.items():
+            t = time.perf_counter()
+            opt.step()
+            times[label].append(time.perf_counter() - t)
+    return {label: statistics.median(ts) for label, ts in times.items()}, skipped, first
+
+
+def speed_table(results: dict[str, tuple[dict, dict]]) -> str:
+    """Step time per optimizer and mix, as a ratio to torch foreach / fused AdamW measured alongside."""
+    mixes = list(results)
+    head = " | ".join(f"{m}: ms, vs foreach / vs fused (first step, s)" for m in mixes)
+    lines = [f"| optimizer | {head} |", "|---|" + "---|" * len(mixes)]
+    for label in SPEED_OPTIMIZERS:
+        cells = []
+        for m in mixes:
+            med, skipped, first = results[m]
+            if label not in med:
+                cells.append(f"n/a ({skipped.get(label, 'not run')})")
+                continue
+            t = med[label]
+            fe, fu = (med.get(f"torch AdamW ({k})") for k in ("foreach", "fused"))
+            ratios = " / ".join(f"{t / ref:.2f}x" if ref else "n/a" for ref in (fe, fu))
+            cells.append(f"{t * 1e3:.1f}, {ratios} ({first[label]:.1f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 x 1024^2 params instead of 12 x 2048^2")
@@ -476,7 +590,24 @@ def main() -> None:
         help="instead: the loss gap to fp32 AdamW of each state format on a STEPS-step regression probe",
     )
     ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="seeds of --probe")
+    ap.add_argument(
+        "--speed",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="instead: step times against torch AdamW and the peers, all in one process, REPEATS interleaved",
+    )
+    ap.add_argument("--mixes", nargs="*", default=None, help="parameter mixes of --speed (default: all)")
     args = ap.parse_args()
+    if args.speed:
+        mixes = args.mixes or list(SPEED_MIXES)
+        results = {m: step_times(SPEED_MIXES[m], args.speed, args.only) for m in mixes}
+        threads = os.environ.get("OMP_NUM_THREADS", "unset")
+        print(
+            f"median of {args.speed} interleaved steps per optimizer, fp32 params, CPU, OMP_NUM_THREADS={threads}\n"
+        )
+        print(speed_table(results))
+        return
     if args.probe:
         rows = probe_gaps(args.probe, args.seeds)
         print(f"probe_loss, {args.probe} steps, seeds {args.seeds}, CPU, one process\n")

@@ -9,7 +9,7 @@ from torch.optim import Optimizer
 
 from .codec import StateCodec
 from .dist import local, wrap_like
-from .fused import run_fused
+from .fused import ChunkBatch, run_fused
 from .kernels import KERNELS
 from .layout import ParamLayout, build_layout
 from .rng import chunk_keys
@@ -21,7 +21,9 @@ class LowBitOptimizer(Optimizer):
     State of a parameter ``p`` (all placed like ``p``; see ``codec`` for the layout): ``step`` (fp32 scalar),
     for each state name ``<name>`` (native) or ``<name>_codes`` / ``<name>_scales``, and ``master_comp``
     (bf16) with Kahan master weights. Groups may carry ``param_names`` (FQNs; they key the random streams).
-    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default) or eager.
+    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default; small chunks batched
+    several per call) or eager (``fused=False``: the reference, op by op, several times slower than torch's
+    foreach AdamW; for checks, not for training).
     """
 
     options_cls: type
@@ -30,6 +32,10 @@ class LowBitOptimizer(Optimizer):
     """Elements per chunk (about): the update's temporaries are a few fp32 copies of one chunk (1 MiB each),
     whatever the parameter's size. Part of the random streams' keys: change it and stochastic rounding draws
     other (equally good) bits."""
+
+    batch_numel: int = 1 << 16
+    """Fused update: chunks of at most this many elements (norms, biases, small matrices) are updated several
+    per compiled call (``optim.fused.ChunkBatch``; the same bits as one call each); 0 turns batching off."""
 
     def __init__(self, params, **defaults: Any) -> None:
         super().__init__(params, defaults)
@@ -100,31 +106,41 @@ class LowBitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        batch = ChunkBatch(self.chunk_numel)
         for gi, group in enumerate(self.param_groups):
             opts = self.options(group)
             names = group.get("param_names") or [f"{gi}.{i}" for i in range(len(group["params"]))]
+            hypers: dict[tuple, torch.Tensor] = {}  # the group's step scalars, per (step, device)
             for p, fqn in zip(group["params"], names, strict=True):
                 if p.grad is not None:
-                    self._update(p, fqn, group, opts)
+                    self._update(p, fqn, group, opts, hypers, batch)
+        batch.flush()
         return loss
 
-    def _update(self, p: torch.Tensor, fqn: str, group: dict[str, Any], opts) -> None:
+    def _update(self, p: torch.Tensor, fqn: str, group: dict[str, Any], opts, hypers: dict, batch) -> None:
         lay, state = self.layout(p, opts), self.state[p]
         if not state:
             self.init_state(p, state, lay)
         state["step"] += 1
         step = int(state["step"].item())
         dev = local(p).device
-        hyper = torch.tensor(self.hyper(group, opts, step), dtype=torch.float32).to(dev, non_blocking=True)
+        hyper = hypers.get((step, dev))
+        if hyper is None:
+            hyper = torch.tensor(self.hyper(group, opts, step), dtype=torch.float32).to(
+                dev, non_blocking=True
+            )
+            hypers[(step, dev)] = hyper
         keys = chunk_keys(opts.seed, fqn, step, lay.offset, lay.spec.purposes, lay.starts, dev)
         views = lay.tensors(p, state)
         for k, (r0, r1) in enumerate(lay.chunks):
-            chunk = [t[r0:r1] for t in views]
+            chunk = views if len(lay.chunks) == 1 else [t[r0:r1] for t in views]
             key = None if keys is None else keys[k]
-            if opts.fused:
-                run_fused(lay.spec, chunk, hyper, key)
-            else:
+            if not opts.fused:
                 KERNELS[lay.spec.kind](lay.spec, chunk[0], chunk[1], hyper, key, *chunk[2:])
+            elif (r1 - r0) * lay.group <= self.batch_numel:
+                batch.add(lay.spec, chunk, hyper, key)
+            else:
+                run_fused(lay.spec, chunk, hyper, key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then each state tensor as it was saved, on its parameter's device: torch casts every

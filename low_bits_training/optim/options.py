@@ -56,8 +56,9 @@ class _Common:
     """Seed of the stochastic-rounding streams (see ``optim.rng``)."""
     fused: bool = True
     """Run each chunk's update as one compiled kernel (torch.compile; the first step compiles, seconds on CPU,
-    which needs a C++ compiler). False: the same update run eagerly, the reference it equals bit for bit,
-    slower. torchtitan sets it from ``[optimizer] implementation`` ("fused", its default: true; "foreach" /
+    which needs a C++ compiler). False: the same update run eagerly, op by op, the reference it equals bit for
+    bit: slow, several times torch's foreach AdamW (docs/optimizers.md), meant for checks and machines without
+    a compiler, not for training. torchtitan sets it from ``[optimizer] implementation`` ("fused", its default: true; "foreach" /
     "for-loop": false) unless ``optimizer_kwargs`` name it."""
 
     def __post_init__(self) -> None:
