@@ -474,10 +474,14 @@ SPEED_OPTIMIZERS: dict[str, tuple[str, dict]] = {
     "torch AdamW (foreach)": ("torch", {"foreach": True}),
     "torch AdamW (fused)": ("torch", {"fused": True}),
     "LowBitAdamW defaults (fused)": ("LowBitAdamW", {}),
-    "LowBitAdamW bf16/bf16 (fused)": ("LowBitAdamW", {"exp_avg": "bf16", "exp_avg_sq": "bf16"}),
-    "LowBitAdamW defaults, bf16 master SR (fused)": (
+    "LowBitAdamW defaults, batch_numel 64K (fused)": ("LowBitAdamW", {"batch_numel": 1 << 16}),
+    "LowBitAdamW bf16/bf16, batch_numel 64K (fused)": (
         "LowBitAdamW",
-        {"master_weights": "bf16", "master_rounding": "stochastic"},
+        {"exp_avg": "bf16", "exp_avg_sq": "bf16", "batch_numel": 1 << 16},
+    ),
+    "LowBitAdamW defaults, bf16 master SR, batch_numel 64K (fused)": (
+        "LowBitAdamW",
+        {"master_weights": "bf16", "master_rounding": "stochastic", "batch_numel": 1 << 16},
     ),
     "LowBitAdamW defaults (eager, fused=False)": ("LowBitAdamW", {"fused": False}),
     "torchao AdamW8bit": ("torchao", {"name": "AdamW8bit"}),

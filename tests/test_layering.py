@@ -25,7 +25,7 @@ _BASE = {"formats", "data", "errors", "upstream"}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "upstream": set(),
-    "formats": set(),
+    "formats": {"upstream"},
     "data": set(),
     "numerics": {"formats"},
     "nn": {"errors", "upstream", "formats", "numerics"},

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from low_bits_training.upstream import unset_fake_temporarily
+
 from .random import derive_key, random_bits
 from .rounding import round_to
 
@@ -79,8 +81,9 @@ def operand_rht(t: torch.Tensor, spec, axis: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _sign_vector(size: int, seed: int) -> tuple[int, ...]:
     check_size(size)
-    bits = random_bits((size,), derive_key("rht", size, seed))
-    return tuple(1 - 2 * int(b) for b in (bits >> 31) & 1)
+    with unset_fake_temporarily():  # values, also under the memory planner's fake tensors
+        bits = random_bits((size,), derive_key("rht", size, seed))
+        return tuple(1 - 2 * int(b) for b in (bits >> 31) & 1)
 
 
 def hadamard_matrix(size: int) -> torch.Tensor:

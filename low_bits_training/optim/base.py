@@ -21,8 +21,8 @@ class LowBitOptimizer(Optimizer):
     State of a parameter ``p`` (all placed like ``p``; see ``codec`` for the layout): ``step`` (fp32 scalar),
     for each state name ``<name>`` (native) or ``<name>_codes`` / ``<name>_scales``, and ``master_comp``
     (bf16) with Kahan master weights. Groups may carry ``param_names`` (FQNs; they key the random streams).
-    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default; small chunks batched
-    several per call) or eager (``fused=False``: the reference, op by op, several times slower than torch's
+    The update itself is ``optim.kernels``' chunk function, compiled (``fused``, default; with ``batch_numel``
+    small chunks several per call) or eager (``fused=False``: the reference, op by op, several times slower than torch's
     foreach AdamW; for checks, not for training).
     """
 
@@ -32,10 +32,6 @@ class LowBitOptimizer(Optimizer):
     """Elements per chunk (about): the update's temporaries are a few fp32 copies of one chunk (1 MiB each),
     whatever the parameter's size. Part of the random streams' keys: change it and stochastic rounding draws
     other (equally good) bits."""
-
-    batch_numel: int = 1 << 16
-    """Fused update: chunks of at most this many elements (norms, biases, small matrices) are updated several
-    per compiled call (``optim.fused.ChunkBatch``; the same bits as one call each); 0 turns batching off."""
 
     def __init__(self, params, **defaults: Any) -> None:
         super().__init__(params, defaults)
@@ -137,7 +133,7 @@ class LowBitOptimizer(Optimizer):
             key = None if keys is None else keys[k]
             if not opts.fused:
                 KERNELS[lay.spec.kind](lay.spec, chunk[0], chunk[1], hyper, key, *chunk[2:])
-            elif (r1 - r0) * lay.group <= self.batch_numel:
+            elif (r1 - r0) * lay.group <= opts.batch_numel:
                 batch.add(lay.spec, chunk, hyper, key)
             else:
                 run_fused(lay.spec, chunk, hyper, key)

@@ -34,11 +34,11 @@ def _run(cls, kw: dict, batch_numel: int, steps: int = 4):
         torch.randn(s, generator=g).to(DTYPES.get(i, torch.float32)).requires_grad_()
         for i, s in enumerate(SHAPES)
     ]
-    base = {"lr": 1e-2, "min_quantized_numel": 1024, "seed": 5}
+    base = {"lr": 1e-2, "min_quantized_numel": 1024, "seed": 5, "batch_numel": batch_numel}
     if cls is LowBitAdamW:
         base |= {"betas": (0.9, 0.95), "weight_decay": 0.1}
     opt = cls([{"params": ps, "param_names": [f"p{i}" for i in range(len(ps))]}], **base, **kw)
-    opt.chunk_numel, opt.batch_numel = 6000, batch_numel
+    opt.chunk_numel = 6000
     for k in range(steps):
         for p in ps:
             p.grad = (torch.randn(p.shape, generator=g) * (1 + 10 * (k == 1))).to(p.dtype)
