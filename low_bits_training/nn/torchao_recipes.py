@@ -15,7 +15,6 @@ from typing import Literal
 from low_bits_training.formats import QuantSpec
 from low_bits_training.formats.hadamard import operand_signs
 
-from .recipes import RECIPES
 from .roles import GEMMS, ROLES, LinearPlan
 
 _FP8 = ("e4m3", "e5m2")

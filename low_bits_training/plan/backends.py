@@ -254,9 +254,13 @@ def check_torchao_runs(
 def _kernel_only(plan: LinearPlan, shape) -> bool:
     """torchao's module computes ``plan`` at this shape and has no emulated mode: only its GPU kernel runs it."""
     recipe = torchao_recipe(plan)
-    fits = recipe is not None and not getattr(shape, "grouped", False) and not getattr(shape, "product", False)
-    return fits and not recipe.has_emulated_mode and not torchao_shape_refusal(
-        recipe, shape.in_features, shape.out_features, getattr(shape, "tp", 1)
+    fits = (
+        recipe is not None and not getattr(shape, "grouped", False) and not getattr(shape, "product", False)
+    )
+    return (
+        fits
+        and not recipe.has_emulated_mode
+        and not torchao_shape_refusal(recipe, shape.in_features, shape.out_features, getattr(shape, "tp", 1))
     )
 
 

@@ -211,7 +211,9 @@ def layer_config(linear_cfg, plan: LinearPlan, opts: TorchaoOptions):
             torch._inductor.config.emulate_precision_casts = True
         return TorchaoFloat8Linear.Config(**common, _torchao_config=float8_config(recipe, opts, emulated))
     if recipe.module == "NVFP4Linear":
-        return TorchaoNVFP4Linear.Config(**common)  # no options: torchao's NVFP4 module has none but the signs
+        return TorchaoNVFP4Linear.Config(
+            **common
+        )  # no options: torchao's NVFP4 module has none but the signs
     kernels = torchao_modules.mxfp8_kernels(
         recipe, emulated, opts.mxfp8_dim0_cast_kernel, opts.mxfp8_dim1_cast_kernel
     )
