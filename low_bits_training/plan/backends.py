@@ -221,8 +221,8 @@ def check_torchao_runs(
 ) -> None:
     """``backend = "torchao"`` asks torchao to run the plan: refuse a plan of which torchao runs no quantized
     layer (kernel or emulated mode); on a CPU not a plan whose layers only lack the GPU (NVFP4Linear has no
-    emulated mode: the CPU emulates it, and lbt-doctor ``--hardware sm100`` / ``--check-only`` judge it). Layers torchao cannot take in a plan it partly runs stay ours, each with
-    its ``fallback_reason`` in the plan table and lbt-doctor.
+    emulated mode: the CPU emulates it, and lbt-doctor ``--hardware sm100`` judges it). Layers torchao cannot
+    take in a plan it partly runs stay ours, each with its ``fallback_reason`` in the plan table and lbt-doctor.
 
     Args:
         setting: ``[quantize] backend``.
@@ -252,16 +252,12 @@ def check_torchao_runs(
 
 
 def _kernel_only(plan: LinearPlan, shape) -> bool:
-    """torchao's module computes ``plan`` at this shape and has no emulated mode: only its GPU kernel runs it."""
+    """torchao's module computes ``plan`` at this shape and has no emulated mode: only its GPU kernel runs it
+    (``fallback_reason`` on hardware that has the kernel: none)."""
     recipe = torchao_recipe(plan)
-    fits = (
-        recipe is not None and not getattr(shape, "grouped", False) and not getattr(shape, "product", False)
-    )
-    return (
-        fits
-        and not recipe.has_emulated_mode
-        and not torchao_shape_refusal(recipe, shape.in_features, shape.out_features, getattr(shape, "tp", 1))
-    )
+    if recipe is None or recipe.has_emulated_mode:
+        return False
+    return fallback_reason(plan, shape, Hardware("cuda", recipe.min_capability), "torchao") is None
 
 
 def check_torchao_options(opts: TorchaoOptions, plans: dict[str, LinearPlan]) -> None:
