@@ -138,7 +138,8 @@ def _why_no_torchao(plan: LinearPlan) -> str:
     specs = [s for s in plan.specs if s is not None]
     checks = (
         (lambda s: s.scaling in ("block", "tile") and (s.block_size, s.scale_format) == (16, "ue4m3"),
-         lambda s: f"this NVFP4 (NVFP4Linear computes recipe nvfp4_torchao; here {nvfp4_mismatch(plan)})"),
+         lambda s: f"this NVFP4 (NVFP4Linear computes recipe nvfp4_torchao; here {m})"
+         if (m := nvfp4_mismatch(plan)) else "NVFP4 (torchao 0.18's NVFP4 module is a dense linear only)"),
         (lambda s: s.amax_history > 0, "delayed scaling (torchao scales from the current amax)"),
         (lambda s: s.rht > 0, "a random Hadamard transform"),
         (lambda s: s.rounding != "nearest", lambda s: f"{s.rounding} rounding"),

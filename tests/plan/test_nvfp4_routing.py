@@ -121,3 +121,13 @@ def test_the_module_built_takes_the_plans_signs():
         assert type(plain) is NVFP4Linear and plain.rht_sign_vector == signs and plain.weight is lin.weight
     with pytest.raises(ValueError, match="no emulated mode"):
         torchao_linear(torch.nn.Linear(256, 384), LinearPlan.from_recipe("nvfp4_torchao"), emulated=True)
+
+
+def test_expert_weights_stay_ours_with_the_reason():
+    plan = LinearPlan.from_recipe("nvfp4_torchao")
+    experts = LayerShape(256, 512, tokens_multiple=0, kind="experts")
+    assert layer_backends(plan, "torchao", B200, 256, 512, grouped=True) == OURS
+    assert fallback_reason(plan, experts, B200, "auto") == (
+        "emulated: torchao has no grouped training module for NVFP4 (torchao 0.18's NVFP4 module is a dense "
+        "linear only)"
+    )
