@@ -137,7 +137,10 @@ def config_checks(
     status, config = checked_config(config_file, args, env, stand_in=True, here=here)
     if config is None:
         return [status], False
-    checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]
+    try:
+        checks = [status, check_backends(config, hw), *check_fallbacks(config, hw), *check_saved(config, hw)]
+    except ConfigError as e:  # the plan resolves here but not on the named hardware (backend = 'torchao')
+        return [status, Check("backends", "FAIL", f"on {hw}: {e}", "fix the key named above")], False
     checks += check_autopilot(config, hw)
     checks.append(check_compile(config, hw))
     checks.append(check_cuda_graphs(config, hw, config_file, args))

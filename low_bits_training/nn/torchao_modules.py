@@ -146,6 +146,12 @@ def torchao_linear(lin: torch.nn.Linear, plan: LinearPlan, emulated: bool) -> to
         raise ValueError(f"no torchao module computes this plan: {plan}")
     if recipe.module == "MXFP8Linear":
         return TorchaoMXFP8(lin, mxfp8_kernels(recipe, emulated))
+    if recipe.module == "NVFP4Linear":
+        if emulated:
+            raise ValueError("torchao's NVFP4Linear has no emulated mode (its kernels are Triton, CUDA only)")
+        from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
+
+        return NVFP4Linear.from_linear(lin, rht_sign_vector=recipe.rht_signs)  # the plan's signs, not a draw
     from torchao.float8.float8_linear import Float8Linear
 
     return Float8Linear.from_float(lin, config=float8_config(recipe, emulate=emulated))

@@ -1,7 +1,7 @@
 """Which torchao training module computes a layer's plan exactly: pure data, decided from the plan alone.
 
-``torchao_recipe`` matches a ``LinearPlan`` to ``Float8Linear`` (fp8 tensorwise / rowwise cast tables) or
-``MXFP8Linear`` (MXFP8) and says which casts and switches it takes (``TorchaoRecipe``);
+``torchao_recipe`` matches a ``LinearPlan`` to ``Float8Linear`` (fp8 tensorwise / rowwise cast tables),
+``MXFP8Linear`` (MXFP8) or ``NVFP4Linear`` (recipe ``nvfp4_torchao`` exactly) and says which casts and switches it takes (``TorchaoRecipe``);
 ``torchao_grouped_recipe`` does the same for MoE experts (torchtitan's ``Float8GroupedExperts`` /
 ``MXFP8GroupedExperts``). Nothing here imports torchao, so the backend choice (``plan.backends``) runs on a
 machine without it; ``nn.torchao_modules`` builds and runs the modules.
@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from low_bits_training.formats import QuantSpec
+from low_bits_training.formats.hadamard import operand_signs
 
 from .roles import GEMMS, ROLES, LinearPlan
 
@@ -23,7 +24,7 @@ _FP8 = ("e4m3", "e5m2")
 class TorchaoRecipe:
     """A torchao training module that computes exactly a layer's plan (pure data: which module, which casts)."""
 
-    module: Literal["Float8Linear", "MXFP8Linear"]
+    module: Literal["Float8Linear", "MXFP8Linear", "NVFP4Linear"]
     label: str
     """Short name for logs and tables: torchao's recipe name when the plan is one ("rowwise"), else a
     description of the casts."""
@@ -35,6 +36,8 @@ class TorchaoRecipe:
     """MXFP8Linear ``scale_calculation_mode``."""
     wgrad_high: bool = False
     """MXFP8Linear ``wgrad_with_hp``: the weight-gradient GEMM in high precision."""
+    rht_signs: tuple[int, ...] = ()
+    """NVFP4Linear ``rht_sign_vector``: the wgrad RHT's 16 signs, passed to torchao explicitly (the plan's)."""
 
     @property
     def min_capability(self) -> tuple[int, int]:
@@ -43,8 +46,20 @@ class TorchaoRecipe:
 
     @property
     def dim_multiple(self) -> int:
-        """Every feature dim must be a multiple of this (fp8 tensor cores: 16; MX blocks: 32)."""
-        return 16 if self.module == "Float8Linear" else 32
+        """Every feature dim must be a multiple of this (fp8 tensor cores: 16; MX blocks: 32; torchao's NVFP4
+        Triton kernels: 128, ``nvfp4_mm_triton``)."""
+        return {"Float8Linear": 16, "MXFP8Linear": 32}.get(self.module, 128)
+
+    @property
+    def has_emulated_mode(self) -> bool:
+        """torchao runs the module without its hardware kernel (Float8 / MXFP8 ``emulate``); NVFP4Linear is
+        Triton only, so a layer without its kernel stays ours."""
+        return self.module != "NVFP4Linear"
+
+    @property
+    def needs_triton(self) -> bool:
+        """Its kernels are Triton (NVFP4Linear's casts, RHT and stochastic rounding are all Triton)."""
+        return self.module == "NVFP4Linear"
 
 
 _FLOAT8_NAMES = {
@@ -114,6 +129,55 @@ def _mxfp8_recipe(specs: tuple[QuantSpec | None, ...]) -> TorchaoRecipe | None:
     return None
 
 
+NVFP4_TORCHAO = "nvfp4_torchao"
+"""The recipe that computes what torchao's ``NVFP4Linear`` (``NVFP4TrainingConfig``) computes."""
+
+
+def _ao_free(spec: QuantSpec | None) -> QuantSpec | None:
+    # inf_amax only says how the emulation treats an inf amax (docs/formats.md); scale_min is kept: "normal" is
+    # torchao's 2^-6 block-scale floor. The RHT's sign vector (named or seeded) is any fixed vector of 16 signs,
+    # which torchao takes as rht_sign_vector: it is not compared.
+    return None if spec is None else replace(spec, inf_amax="keep", rht_seed=0, rht_signs="seeded")
+
+
+def nvfp4_mismatch(plan: LinearPlan) -> str | None:
+    """How ``plan`` differs from what torchao's ``NVFP4Linear`` computes (recipe ``nvfp4_torchao``): the first
+    role and its fields that differ, one line; None when it computes exactly that.
+
+    Our options map to torchao's module one to one, and only one setting of each exists there: every role
+    e2m1 with ue4m3 1x16 block scales (16x16 tiles on both weight roles: ``triton_weight_quantize_2d``) under
+    an fp32 tensor scale (``per_tensor_amax_to_scale``); ``scale_order = "torchao"`` + ``scale_apply =
+    "reciprocal"`` + ``scale_min = "normal"`` = its Triton casts' block-scale arithmetic; stochastic rounding
+    on both gradient roles (``triton_rht_quantize_row_col(stochastic_rounding=True)``), nearest elsewhere; the
+    wgrad operands rotated by a 16-point RHT (``rht = 16``) with ``rht_signs`` = ``rht_sign_vector``, the
+    rotated values stored in bf16 (``rht_output = "bf16"``). No torchao switch changes any of these but the
+    sign vector, which we pass: any fixed one (``rht_signs`` "te", or "seeded" from the plan's seed) fits.
+    """
+    want = LinearPlan.from_recipe(NVFP4_TORCHAO).specs
+    for role, have, need in zip(ROLES, plan.specs, want, strict=True):
+        have, need = _ao_free(have), _ao_free(need)
+        if have == need:
+            continue
+        if have is None:
+            return f"{role.name} high precision (torchao quantizes it)"
+        if need is None:
+            return f"{role.name} quantized (torchao keeps it high)"
+        diff = [
+            f"{f} {getattr(have, f)!r} (torchao: {getattr(need, f)!r})"
+            for f in have.__dataclass_fields__
+            if getattr(have, f) != getattr(need, f)
+        ]
+        return f"{role.name} {', '.join(diff)}"
+    return None
+
+
+def _nvfp4_recipe(plan: LinearPlan) -> TorchaoRecipe | None:
+    if nvfp4_mismatch(plan) is not None:
+        return None
+    rotated = next(s for s in plan.specs if s is not None and s.rht)
+    return TorchaoRecipe("NVFP4Linear", NVFP4_TORCHAO, rht_signs=operand_signs(rotated))
+
+
 def torchao_recipe(plan: LinearPlan) -> TorchaoRecipe | None:
     """The torchao training module that computes ``plan``'s numerics, or None.
 
@@ -121,11 +185,9 @@ def torchao_recipe(plan: LinearPlan) -> TorchaoRecipe | None:
     saturating, one scale rounding (exact or power-of-two) for the whole layer, each tensor in one dtype, and
     both operands of a GEMM quantized or both high (torchao's own constraints); MXFP8Linear takes e4m3 1x32
     blocks with e8m0 rceil or floor scales, optionally with the weight-gradient GEMM high. Delayed scaling,
-    an RHT or a forward-cast source never match. NVFP4 is never matched: torchao's NVFP4Linear runs our
-    ``nvfp4`` recipe in outline (RHT 16 on the weight-gradient operands, 16x16 weight tiles, SR gradients)
-    but not its numerics (its scale order, bf16 rotated values, a 2**-6 block-scale floor, a random sign
-    vector per layer unless given one) and has no CPU or emulated mode; recipe ``nvfp4_torchao`` emulates
-    those numerics but is not routed to it yet (docs/formats.md, "Equal to whom").
+    an RHT or a forward-cast source never match Float8 / MXFP8. torchao's NVFP4Linear takes recipe
+    ``nvfp4_torchao``'s plan exactly (``nvfp4_mismatch``; its sign vector passed), not ``nvfp4``'s (our scale
+    order, fp32 rotated values, e4m3 subnormal block scales, seeded signs: docs/formats.md, "Equal to whom").
 
     Args:
         plan: a layer's plan (its backends are ignored).
@@ -136,7 +198,7 @@ def torchao_recipe(plan: LinearPlan) -> TorchaoRecipe | None:
     specs = tuple(_compat_free(s) for s in plan.specs)
     if all(s is None for s in specs):
         return None
-    return _float8_recipe(specs) or _mxfp8_recipe(specs)
+    return _float8_recipe(specs) or _mxfp8_recipe(specs) or _nvfp4_recipe(plan)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ table, ``lbt-doctor``, the benchmarks and the docs all ask that function. Values
 - ``high``: neither operand is quantized: a plain matmul (``nn.Linear``, or a high-precision GEMM of a layer).
 - ``emulate``: our fake-quantize + fp32 matmul (``QuantLinear``), any device, any format.
 - ``real``: our cast + ``torch._scaled_mm`` (``QuantLinear``): a Python-only reference, not offered in TOML.
-- ``torchao``: torchao's module with its hardware kernel (``Float8Linear`` SM89+, ``MXFP8Linear`` SM100+).
-- ``torchao_emulated``: torchao's module in its own emulated mode (CPU, or a GPU without the kernel).
+- ``torchao``: torchao's module with its hardware kernel (``Float8Linear`` SM89+, ``MXFP8Linear`` SM100+,
+  ``NVFP4Linear`` SM100+ with Triton: recipe ``nvfp4_torchao`` only).
+- ``torchao_emulated``: torchao's module in its own emulated mode (CPU, or a GPU without the kernel; Float8 and
+  MXFP8 only: NVFP4Linear has none, a layer without its kernel is ours).
 - ``torchtitan``: a layer the base's own torchtitan converter already swapped (its numerics are torchtitan's).
 
 Which layers torchao can take follows from the plan alone (``nn.torchao_recipes.torchao_recipe``): a layer goes to
@@ -25,7 +27,12 @@ from low_bits_training.errors import ConfigError
 from low_bits_training.nn import GEMM_OPERANDS, GEMMS, LinearPlan
 from low_bits_training.nn.hardware import Hardware
 from low_bits_training.nn.recipes import RECIPES
-from low_bits_training.nn.torchao_recipes import TorchaoRecipe, torchao_grouped_recipe, torchao_recipe
+from low_bits_training.nn.torchao_recipes import (
+    TorchaoRecipe,
+    nvfp4_mismatch,
+    torchao_grouped_recipe,
+    torchao_recipe,
+)
 
 GemmBackend = Literal["high", "emulate", "real", "torchao", "torchao_emulated", "torchtitan"]
 TORCHAO_BACKENDS = ("torchao", "torchao_emulated")
@@ -38,6 +45,8 @@ def torchao_kernel_refusal(recipe: TorchaoRecipe, hw: Hardware) -> str | None:
     need = recipe.min_capability
     if not hw.has(need):
         return f"{recipe.module} kernels need CUDA SM{need[0]}{need[1]}+, this is {hw}"
+    if getattr(recipe, "needs_triton", False) and not hw.triton:  # grouped recipes: none is Triton-only
+        return f"{recipe.module} kernels are Triton, and Triton is not available here"
     return None
 
 
@@ -119,7 +128,7 @@ def layer_backends(
     kernel_missing = torchao_kernel_refusal(recipe, hw)
     if kernel_missing is None:
         return ("torchao",) * len(GEMMS)
-    if setting == "torchao" and hw.torchao:
+    if setting == "torchao" and hw.torchao and recipe.has_emulated_mode:
         return ("torchao_emulated",) * len(GEMMS)
     return ("emulate",) * len(GEMMS)
 
@@ -128,8 +137,9 @@ def _why_no_torchao(plan: LinearPlan) -> str:
     """The first feature of a plan no torchao training module computes (for ``fallback_reason``)."""
     specs = [s for s in plan.specs if s is not None]
     checks = (
-        (lambda s: s.scaling == "block" and (s.block_size, s.scale_format) == (16, "ue4m3"),
-         "NVFP4 (torchao's NVFP4Linear rounds differently: docs/precision_plan.md)"),
+        (lambda s: s.scaling in ("block", "tile") and (s.block_size, s.scale_format) == (16, "ue4m3"),
+         lambda s: f"this NVFP4 (NVFP4Linear computes recipe nvfp4_torchao; here {m})"
+         if (m := nvfp4_mismatch(plan)) else "NVFP4 (torchao 0.18's NVFP4 module is a dense linear only)"),
         (lambda s: s.amax_history > 0, "delayed scaling (torchao scales from the current amax)"),
         (lambda s: s.rht > 0, "a random Hadamard transform"),
         (lambda s: s.rounding != "nearest", lambda s: f"{s.rounding} rounding"),
@@ -175,7 +185,8 @@ def fallback_reason(plan: LinearPlan, shape, hw: Hardware, setting: str, opts: T
     if not grouped and (why := torchao_shape_refusal(recipe, shape.in_features, shape.out_features, tp)):
         return f"emulated: {why}"
     if (why := torchao_kernel_refusal(recipe, hw)) is not None:
-        emulated = setting == "torchao" and hw.torchao and (not grouped or recipe.emulated_name is not None)
+        has_mode = recipe.emulated_name is not None if grouped else recipe.has_emulated_mode
+        emulated = setting == "torchao" and hw.torchao and has_mode
         return f"{'torchao emulated' if emulated else 'emulated'}: {why}"
     if recipe.module.startswith("MXFP8"):
         return mxfp8_dim1_kernel((opts or TorchaoOptions()).mxfp8_dim1_cast_kernel, hw)[1]
@@ -210,8 +221,9 @@ def check_torchao_runs(
     setting: str, plans: dict[str, LinearPlan], shapes: dict, hw: Hardware, where: str = "quantize"
 ) -> None:
     """``backend = "torchao"`` asks torchao to run the plan: refuse a plan of which torchao runs no quantized
-    layer (kernel or emulated mode). Layers torchao cannot take in a plan it partly runs stay ours, each with
-    its ``fallback_reason`` in the plan table and lbt-doctor.
+    layer (kernel or emulated mode); on a CPU not a plan whose layers only lack the GPU (NVFP4Linear has no
+    emulated mode: the CPU emulates it, and lbt-doctor ``--hardware sm100`` judges it). Layers torchao cannot
+    take in a plan it partly runs stay ours, each with its ``fallback_reason`` in the plan table and lbt-doctor.
 
     Args:
         setting: ``[quantize] backend``.
@@ -228,6 +240,8 @@ def check_torchao_runs(
         return
     if any(plans[f].backends[0] in TORCHAO_BACKENDS for f in quantized):
         return
+    if hw.kind == "cpu" and any(_kernel_only(plans[f], shapes[f]) for f in quantized):
+        return  # a module without an emulated mode (NVFP4Linear): a CPU runs emulation, equal to its numbers
     first = quantized[0]
     why = fallback_reason(plans[first], shapes[first], hw, setting)
     ours = ", ".join(r for r in RECIPES if torchao_recipe(LinearPlan.from_recipe(r)) is not None)
@@ -236,6 +250,15 @@ def check_torchao_runs(
         f"quantize.backend = 'torchao'{phase}: torchao runs none of this plan's quantized layers ({first}: "
         f"{why}); use backend 'auto' or 'emulate', or a plan torchao computes (recipes {ours})"
     )
+
+
+def _kernel_only(plan: LinearPlan, shape) -> bool:
+    """torchao's module computes ``plan`` at this shape and has no emulated mode: only its GPU kernel runs it
+    (``fallback_reason`` on hardware that has the kernel: none)."""
+    recipe = torchao_recipe(plan)
+    if recipe is None or recipe.has_emulated_mode:
+        return False
+    return fallback_reason(plan, shape, Hardware("cuda", recipe.min_capability), "torchao") is None
 
 
 def check_torchao_options(opts: TorchaoOptions, plans: dict[str, LinearPlan]) -> None:

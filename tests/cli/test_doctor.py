@@ -528,3 +528,27 @@ def test_fit_ranks_the_changes_that_fit_first(clean_env, capsys):
         ("`--training.local_batch_size 1 --training.global_batch_size 8`", "0.14", "yes |"),
         ("`(as configured)`", "0.43", "no |"),
     ]
+
+
+def test_nvfp4_torchao_runs_torchaos_nvfp4_modules_on_sm100_and_says_why_not_on_sm90(clean_env):
+    # issue 38's "done when": backend torchao on simulated SM100 shows torchao's NVFP4 modules, no fallback line
+    args = ["--quantize.recipe", "nvfp4_torchao", "--quantize.backend", "torchao"]
+    checks = doctor.run_checks(str(DEBUG), args, {"NGPU": "1"}, hw=doctor.hardware("sm100"))
+    rows = by_name(checks)
+    assert (rows["config"].status, rows["backends"].status) == ("OK", "OK")
+    assert rows["backends"].detail == (
+        "on CUDA SM100: 1 x Linear [high]; 30 x torchao NVFP4Linear (nvfp4_torchao) [torchao]"
+    )
+    assert not [c for c in checks if c.name == "fallback"]
+    # on an H100 the same plan is ours under auto, one fallback line saying why; backend torchao is refused
+    auto = ["--quantize.recipe", "nvfp4_torchao", "--quantize.backend", "auto"]
+    rows = by_name(doctor.run_checks(str(DEBUG), auto, {"NGPU": "1"}, hw=doctor.hardware("sm90")))
+    assert rows["backends"].detail == "on CUDA SM90: 1 x Linear [high]; 30 x QuantLinear [emulate]"
+    assert rows["fallback"].detail.endswith(
+        ": emulated: NVFP4Linear kernels need CUDA SM100+, this is CUDA SM90"
+    )
+    rows = by_name(doctor.run_checks(str(DEBUG), args, {"NGPU": "1"}, hw=doctor.hardware("sm90")))
+    assert rows["backends"].status == "FAIL" and rows["backends"].detail.startswith(
+        "on CUDA SM90: quantize.backend = 'torchao': torchao runs none of this plan's quantized layers "
+        "(layers.0.attention.qkv_linear.wqkv: emulated: NVFP4Linear kernels need CUDA SM100+, this is CUDA SM90)"
+    )

@@ -15,7 +15,9 @@ CPU, H100, B200 = Hardware(), Hardware("cuda", (9, 0)), Hardware("cuda", (10, 0)
 B200_NO_CAST = Hardware("cuda", (10, 0), mxfp8_cuda_cast=False)
 SHAPE = LayerShape(256, 512)
 NO_MODULE = "emulated: torchao has no training module for "
-NVFP4 = NO_MODULE + "NVFP4 (torchao's NVFP4Linear rounds differently: docs/precision_plan.md)"
+NVFP4 = NO_MODULE + "this NVFP4 (NVFP4Linear computes recipe nvfp4_torchao; here forward.input "
+OURS = "scale_min 'subnormal' (torchao: 'normal'), scale_apply 'divide' (torchao: 'reciprocal'), scale_order 'decode' (torchao: 'torchao'))"  # fmt: skip
+NVFP4_SM100 = "emulated: NVFP4Linear kernels need CUDA SM100+, this is "
 FLOAT8_SM89 = "emulated: Float8Linear kernels need CUDA SM89+, this is "
 MXFP8_SM100 = "emulated: MXFP8Linear kernels need CUDA SM100+, this is "
 NO_CAST = (
@@ -37,7 +39,11 @@ EXPECTED = {  # recipe: (CPU, H100, B200, B200 without torchao's CUDA cast)
     "fp8_delayed": (NO_MODULE + "delayed scaling (torchao scales from the current amax)",) * 4,
     "mxfp8_2d_weights": (NO_MODULE + "tile scaling (size 32, e8m0 scales)",) * 4,
     "fp8_rowwise_2d_weights": (NO_MODULE + "tile scaling (size 128, fp32 scales)",) * 4,
-    **{r: (NVFP4,) * 4 for r in RECIPES if r.startswith("nvfp4")},
+    **{r: (NVFP4 + OURS,) * 4 for r in ("nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights")},
+    "nvfp4_4over6": (NVFP4 + OURS.replace("'normal'), ", "'normal'), four_over_six 'mse' (torchao: 'off'), "),) * 4,
+    "nvfp4_te": (NVFP4 + "scale_min 'subnormal' (torchao: 'normal'), scale_underflow 'zero' (torchao: 'clamp'), "
+                 "scale_order 'te' (torchao: 'torchao'))",) * 4,
+    "nvfp4_torchao": (NVFP4_SM100 + "CPU", NVFP4_SM100 + "CUDA SM90", None, None),  # torchao's NVFP4Linear
 }
 
 
@@ -104,13 +110,13 @@ def test_the_plan_table_says_why_each_group_of_layers_falls_back():
     shapes = dict.fromkeys(plans, SHAPE) | {"layers.0.qk": LayerShape(64, 64, kind="qk")}
     rows = fallbacks(plans, shapes, H100, "auto")
     product = "emulated: torchao has no module for attention products (Q K^T, P V)"
-    assert rows == [(NVFP4, ["layers.[1].v"]), (product, ["layers.[0].qk"])]  # rowwise runs torchao on SM90
+    assert rows == [(NVFP4 + OURS, ["layers.[1].v"]), (product, ["layers.[0].qk"])]  # rowwise runs torchao on SM90
     rows = fallbacks(plans, shapes, CPU, "auto")
     assert rows[0] == (FLOAT8_SM89 + "CPU", ["layers.[0-2].w"])
     assert format_fallbacks(rows, CPU, "auto").splitlines() == [
         "not on torchao's kernel (on CPU, backend = 'auto'):",
         f"  layers.[0-2].w: {FLOAT8_SM89}CPU",
-        f"  layers.[1].v: {NVFP4}",
+        f"  layers.[1].v: {NVFP4}{OURS}",
         f"  layers.[0].qk: {product}",
     ]
     assert fallbacks(plans, shapes, B200, "emulate") == [] and format_fallbacks([], B200, "emulate") == ""
@@ -130,6 +136,11 @@ def test_backend_torchao_refuses_a_plan_torchao_runs_none_of(recipe):
     plan = LinearPlan.from_roles(RECIPES[recipe])
     runs = recipe == "bf16" or fallback_reason(plan, SHAPE, CPU, "torchao").startswith("torchao emulated")
     cfg = QuantizeConfig(recipe=recipe, backend="torchao")
+    if recipe == "nvfp4_torchao":  # torchao's NVFP4Linear has no emulated mode: a CPU emulates it (equal numbers)
+        assert {p.backends for p in resolve_plan(cfg, layers, CPU).values()} == {("emulate",) * 3}
+        with pytest.raises(ConfigError, match=r"\(layers.0.w: emulated: NVFP4Linear kernels need CUDA SM100\+, "):
+            resolve_plan(cfg, layers, H100)  # a GPU without the kernel is refused as for any recipe
+        return
     if runs:
         resolve_plan(cfg, layers, CPU)
         return
@@ -138,7 +149,7 @@ def test_backend_torchao_refuses_a_plan_torchao_runs_none_of(recipe):
     assert str(refused.value) == (
         f"quantize.backend = 'torchao': torchao runs none of this plan's quantized layers (layers.0.w: "
         f"{fallback_reason(plan, SHAPE, CPU, 'torchao')}); use backend 'auto' or 'emulate', or a plan torchao "
-        "computes (recipes fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, mxfp8)"
+        "computes (recipes fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, mxfp8, nvfp4_torchao)"
     )
     resolve_plan(QuantizeConfig(recipe=recipe, backend="auto"), layers, CPU)  # the same plan, ours: fine
 

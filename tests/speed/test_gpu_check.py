@@ -188,10 +188,15 @@ def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
     assert rows["mxfp8"]["status"] == "skip"
     assert rows["mxfp8"]["detail"] == "skip: MXFP8Linear kernels need CUDA SM100+, this is CUDA SM90"
     assert ran == ["fp8_tensorwise", "fp8_rowwise"]  # Float8Linear's kernels run on SM90
+    assert rows["nvfp4_torchao"]["detail"] == "skip: NVFP4Linear kernels need CUDA SM100+, this is CUDA SM90"
     monkeypatch.setattr(parity, "detect_hardware", lambda: hardware.Hardware("cuda", (10, 0)))
     ran.clear()
     parity.torchao_rows(runner.Context("cuda", REPO, 0.0))
-    assert ran == ["fp8_tensorwise", "fp8_rowwise", "mxfp8"]
+    assert ran == ["fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4_torchao"]  # torchao's NVFP4Linear: SM100
+    no_triton = hardware.Hardware("cuda", (10, 0), triton=False)
+    monkeypatch.setattr(parity, "detect_hardware", lambda: no_triton)
+    rows = {r["recipe"]: r for r in parity.torchao_rows(runner.Context("cuda", REPO, 0.0))}
+    assert rows["nvfp4_torchao"]["detail"] == "skip: NVFP4Linear kernels are Triton, and Triton is not available here"
 
 
 class _Scaled(torch.nn.Module):

@@ -212,3 +212,22 @@ def test_as_run_prices_an_emulated_gemm_at_its_emulation_dtype_not_the_kernels()
     fp8 = dataclasses.replace(recipe("fp8_rowwise"), backends=("torchao",) * 3)
     torchao = GemmTarget("w", k, n, m, fp8)
     assert predict([torchao], h100, as_run=True).speedup == predict([torchao], h100).speedup > 1.0
+
+
+def test_nvfp4_torchao_routed_to_torchao_on_a_b200_is_priced_at_the_fp4_rate():
+    # resolved on a B200 the plan runs torchao's NVFP4Linear: fp4 tensor cores (nv16 scales); emulated (an H100,
+    # or backend "emulate") the same plan is priced at its emulation's dtype
+    m = k = n = 4096
+    b200 = gpu("B200")
+    plan = recipe("nvfp4_torchao")
+    routed = GemmTarget("w", k, n, m, dataclasses.replace(plan, backends=("torchao",) * 3))
+    ours = GemmTarget("w", k, n, m, plan)  # backends ("emulate",) * 3
+    fast, slow = predict([routed], b200, IDEAL, as_run=True), predict([ours], b200, IDEAL, as_run=True)
+    assert [g.dtype for g in fast.rows[0].gemms] == ["fp4"] * 3
+    assert [g.dtype for g in slow.rows[0].gemms] != ["fp4"] * 3
+    flops = 2 * m * k * n
+    assert fast.rows[0].gemms[0].seconds >= flops / (
+        b200.peaks["fp4"] * 1e12
+    )  # at most the fp4 peak (TFLOPS)
+    assert fast.speedup > 1.0 > slow.speedup
+    assert fast.speedup == predict([routed], b200, IDEAL).speedup  # the kernels' figure: what runs

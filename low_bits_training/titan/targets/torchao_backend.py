@@ -2,8 +2,8 @@
 
 A layer goes to torchao when ``nn.torchao_recipes.torchao_recipe`` finds a torchao module that computes its plan
 and ``layer_backends`` chose it. The modules are torchtitan's own classes over torchao's
-(``components/quantization/float8.py`` ``Float8Linear``, ``mx.py`` ``MXFP8Linear``), subclassed here to carry
-the layer's plan and torchao's options; torchtitan's *converters* are not used, because they
+(``components/quantization/float8.py`` ``Float8Linear``, ``mx.py`` ``MXFP8Linear``, ``nvfp4.py``
+``NVFP4Linear``), subclassed here to carry the layer's plan and torchao's options; torchtitan's *converters* are not used, because they
 
 - refuse on a CPU (``has_cuda_capability`` checks), so torchao's emulated modes could not be tested here;
 - refuse Float8 emulate together with torch.compile, which trains on CPU with torch 2.14.1 (measured:
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torchtitan.components.quantization.float8 import Float8Linear as _TitanFloat8Linear
 from torchtitan.components.quantization.mx import MXFP8Linear as _TitanMXFP8Linear
+from torchtitan.components.quantization.nvfp4 import NVFP4Linear as _TitanNVFP4Linear
 from torchtitan.tools.logging import logger
 
 from low_bits_training.config.quantize import TorchaoOptions
@@ -111,6 +112,31 @@ class TorchaoMXFP8Linear(_TitanMXFP8Linear):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
+class TorchaoNVFP4Linear(_TitanNVFP4Linear):
+    """torchtitan's ``NVFP4Linear`` (torchao's ``NVFP4Linear`` + the Module protocol: meta init, per-rank SR
+    seed, TP layouts) carrying the layer's plan, whose wgrad RHT signs it passes to torchao's kernels.
+
+    torchao's module has no switch but the sign vector (``nn.torchao_recipes.nvfp4_mismatch`` maps each of our
+    options to what its kernels do); torchtitan's class fixes the vector to TE's, which is what recipe
+    ``nvfp4_torchao`` names. The plan's vector is the one given to torchao here all the same (``rht_sign_vector``
+    is what torchao's forward reads), so a plan with other fixed signs runs them too.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_TitanNVFP4Linear.Config):
+        plan: LinearPlan = field(default_factory=LinearPlan)
+        """The layer's plan (numerics torchao computes; backends ``torchao``: torchao has no emulated mode)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.plan_signs = torchao_recipe(config.plan).rht_signs
+
+    @property
+    def rht_sign_vector(self) -> tuple[int, ...]:
+        """The plan's RHT signs: what torchao's ``nvfp4_linear`` rotates both wgrad operands with."""
+        return self.plan_signs
+
+
 @functools.cache
 def available_dim1_kernel(requested: str) -> str:
     """The MXFP8 dim-1 cast kernel this process can run for ``requested`` (``plan.backends.mxfp8_dim1_kernel``
@@ -122,7 +148,7 @@ def available_dim1_kernel(requested: str) -> str:
     return kernel
 
 
-TORCHAO_CONFIGS = (TorchaoFloat8Linear.Config, TorchaoMXFP8Linear.Config)
+TORCHAO_CONFIGS = (TorchaoFloat8Linear.Config, TorchaoMXFP8Linear.Config, TorchaoNVFP4Linear.Config)
 """Config classes of the layers this backend builds (for walking the model config tree)."""
 _TITAN_QUANTIZATION = "torchtitan.components.quantization."
 """The package of torchtitan's torchao module classes (Float8 / MXFP8 / NVFP4 linears and grouped experts)."""
@@ -161,7 +187,7 @@ def layer_config(linear_cfg, plan: LinearPlan, opts: TorchaoOptions):
         opts: ``[quantize.torchao]``.
 
     Returns:
-        A ``TorchaoFloat8Linear.Config`` or ``TorchaoMXFP8Linear.Config``.
+        A ``TorchaoFloat8Linear.Config``, ``TorchaoMXFP8Linear.Config`` or ``TorchaoNVFP4Linear.Config``.
 
     Raises:
         ValueError: the plan has no torchao recipe (``resolve_plan`` never routes such a layer here).
@@ -184,6 +210,10 @@ def layer_config(linear_cfg, plan: LinearPlan, opts: TorchaoOptions):
             # rounds through the cast dtypes as eager does. A process-wide inductor switch.
             torch._inductor.config.emulate_precision_casts = True
         return TorchaoFloat8Linear.Config(**common, _torchao_config=float8_config(recipe, opts, emulated))
+    if recipe.module == "NVFP4Linear":
+        return TorchaoNVFP4Linear.Config(
+            **common
+        )  # no options: torchao's NVFP4 module has none but the signs
     kernels = torchao_modules.mxfp8_kernels(
         recipe, emulated, opts.mxfp8_dim0_cast_kernel, opts.mxfp8_dim1_cast_kernel
     )
