@@ -134,3 +134,23 @@ def test_on_a_gpu_node_the_plan_never_refuses_on_the_cpus_attention(tmp_path):
         "cuda True the planner failed: NotImplementedError: FlexAttention does not support backward on CPU. "
         "Please set the input requires_grad to False or use another device."
     )
+
+
+def test_a_recipe_whose_cast_reads_values_is_planned(tmp_path):
+    # nvfp4's wgrad RHT draws its sign vector from random bits it reads as numbers: on fake tensors that raised
+    # DataDependentOutputException and no nvfp4 run was planned. The signs are now drawn on real tensors.
+    code = (
+        "from low_bits_training.titan.launch.worker import build_config\n"
+        "from low_bits_training.titan.launch.validate import model_as_trained\n"
+        "from low_bits_training.titan.runtime.peak import plan_peak\n"
+        "for r in ('bf16', 'nvfp4'):\n"
+        f"    c = build_config(['--config-file', 'train_configs/debug_model.toml', '--dump_folder', '{tmp_path}', "
+        f"'--dataloader.dataset_path', '{CORPUS}', '--quantize.recipe', r])\n"
+        "    p = plan_peak(c, 1, 'cpu', model_as_trained)\n"
+        "    print(r, p.parts['forward and backward'])\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = dict(line.split() for line in p.stdout.strip().splitlines()[-2:])
+    # nvfp4 keeps its rotated and quantized operands beside the bf16 ones: more held in the forward and backward
+    assert int(got["nvfp4"]) > int(got["bf16"]) > 0, got
