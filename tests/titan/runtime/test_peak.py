@@ -114,6 +114,14 @@ def test_a_compiled_run_is_planned_as_eager_above_what_it_holds(tmp_path):
     assert measured < planned, got  # torch.compile saves fewer activations than the eager step planned
 
 
+def _fresh_python(code: str) -> list[str]:
+    """The lines ``code`` prints, run in a new interpreter from the repository (exit status 0 asserted): the
+    planner refuses a process whose process group or autograd already ran, as a test process's may have."""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()
+
+
 def test_on_a_gpu_node_the_plan_never_refuses_on_the_cpus_attention(tmp_path):
     # A GPU node as torchtitan sees it (no CPU adapter: device_type "cuda"), on this CPU machine. The forked
     # planner points its own copy of torchtitan at the CPU (cpu.repoint_at_cpu), where FlexAttention has no
@@ -128,9 +136,7 @@ def test_on_a_gpu_node_the_plan_never_refuses_on_the_cpus_attention(tmp_path):
         "found = check_peak(c, 1)\n"
         "print(u.device_type, found.plan is None, found.why_not.splitlines()[0])\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.strip().splitlines()[-1] == (
+    assert _fresh_python(code)[-1] == (
         "cuda True the planner failed: NotImplementedError: FlexAttention does not support backward on CPU. "
         "Please set the input requires_grad to False or use another device."
     )
@@ -149,8 +155,6 @@ def test_a_recipe_whose_cast_reads_values_is_planned(tmp_path):
         "    p = plan_peak(c, 1, 'cpu', model_as_trained)\n"
         "    print(r, p.parts['forward and backward'])\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = dict(line.split() for line in p.stdout.strip().splitlines()[-2:])
+    got = dict(line.split() for line in _fresh_python(code)[-2:])
     # nvfp4 keeps its rotated and quantized operands beside the bf16 ones: more held in the forward and backward
     assert int(got["nvfp4"]) > int(got["bf16"]) > 0, got
