@@ -216,9 +216,9 @@ class StateCodec:
 
     def part_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """Suffix -> shape of each stored tensor for a tensor of ``shape`` (local or global alike)."""
-        lead, cols = tuple(shape[:-1]), shape[-1]
         if self.native:
-            return {"": tuple(shape)}
+            return {"": tuple(shape)}  # a 0-d parameter (a learned scalar) is always native
+        lead, cols = tuple(shape[:-1]), shape[-1]
         parts = {"_codes": (*lead, cols // self.per_byte)}
         if self.spec.scaling == "block":
             parts["_scales"] = (*lead, cols // self.spec.block_size)

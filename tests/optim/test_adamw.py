@@ -77,6 +77,21 @@ def test_small_and_1d_params_keep_fp32_states():
     assert o.state[ps[1]]["exp_avg"].dtype == torch.float32  # 3072 elements: below min_quantized_numel
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_scalar_parameter_steps_as_torch_adamw(fused):
+    # A 0-d parameter (a learned temperature or gate) once raised IndexError in the codec's shapes: it keeps fp32
+    # states, so its update is torch's to an ulp.
+    ref, p = (torch.tensor(1.5, requires_grad=True) for _ in range(2))
+    o_ref = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    o = adamw([p], fused=fused)
+    for k in range(5):
+        ref.grad, p.grad = (torch.tensor(0.5 - 0.3 * k) for _ in range(2))
+        o_ref.step(), o.step()
+    assert o.state[p]["exp_avg"].shape == () and o.state[p]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(p, ref, rtol=0, atol=ULPS_OF_ONE)
+    assert abs(p.item() - 1.5) > 0.02  # it moved
+
+
 def test_moment_bound_holds_for_exact_adam():
     b1, b2 = 0.9, 0.95
     c = moment_bound(b1, b2)
