@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import train, write_toml
 
 GROUP = {
@@ -46,12 +47,19 @@ def test_interrupted_run_resumes_bit_exactly(tmp_path):
     assert full[4] < full[1]
 
 
-def test_bad_optimizer_kwarg_is_one_line_before_the_model(tmp_path):
-    bad = {**GROUP, "optimizer_kwargs": {**GROUP["optimizer_kwargs"], "exp_avg": "int9_block128"}}
+@pytest.mark.parametrize(
+    ("key", "value", "expect"),
+    [
+        ("exp_avg", "int9_block128", "optimizer_kwargs.exp_avg='int9_block128'"),
+        ("batch_numel", -1, "optimizer_kwargs.batch_numel=-1: allowed an int >= 0"),
+    ],
+)
+def test_bad_optimizer_kwarg_is_one_line_before_the_model(tmp_path, key, value, expect):
+    bad = {**GROUP, "optimizer_kwargs": {**GROUP["optimizer_kwargs"], key: value}}
     run = train(tmp_path, config=_toml(tmp_path, bad), check=False)
-    assert run.returncode != 0
+    assert run.returncode == 2
     line = next(ln for ln in run.log.splitlines() if "config error" in ln)
-    assert "optimizer.param_groups[0].optimizer_kwargs.exp_avg='int9_block128'" in line
+    assert f"optimizer.param_groups[0].{expect}" in line, line
     assert "Building" not in run.log and "step:" not in run.log
 
 
