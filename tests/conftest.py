@@ -6,14 +6,13 @@ is given here, at collection, by the rule in ``tiers.py`` (what a test calls: th
 process, a compile), never by hand.
 """
 
-import hashlib
 import json
 import os
-import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+
+from low_bits_training.source import installed_version, source_digest  # standard library only: no torch yet
 
 PACKAGE = Path(__file__).resolve().parents[1] / "low_bits_training"
 CHECKOUT_OWNED = [PACKAGE.parent / "outputs", PACKAGE.parent / "assets"]
@@ -21,40 +20,28 @@ CHECKOUT_OWNED = [PACKAGE.parent / "outputs", PACKAGE.parent / "assets"]
 read or write them (the README's two commands pass in its order on a fresh clone, issue 41)."""
 
 
-def _version_or_none(package: str) -> str:
-    """The installed version of ``package``, or "none" (scripts/torch_range.sh runs the pure layers' tests
-    on another torch without torchao / torchtitan)."""
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "none"
-
-
 def inductor_cache_dir() -> Path:
     """The compiled-kernel cache of this source: ``$XDG_CACHE_HOME/lbt-inductor/<key>`` (default
-    ``~/.cache``), the key a hash of Python's, torch's and torchao's versions and every ``.py`` file of the
-    package. A rerun of the same source reuses its kernels; a changed source or stack starts a new folder, so
-    entries of another source never mix in (../shared/DESIGN.md: stale entries crash torchao's low-bit
-    optimizers). Old folders stay until deleted (``rm -r ~/.cache/lbt-inductor``)."""
-    h = hashlib.sha256()
-    for part in (sys.version, version("torch"), _version_or_none("torchao")):
-        h.update(part.encode() + b"\0")
-    for path in sorted(PACKAGE.rglob("*.py")):
-        h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    ``~/.cache``), the key ``low_bits_training.source``'s digest of the versions of Python, torch, torchtitan and
+    torchao and of every ``.py`` file of the package. A rerun of the same source reuses its kernels; a changed
+    source or stack starts a new folder, so entries of another source never mix in (../shared/DESIGN.md: stale
+    entries crash torchao's low-bit optimizers). Old folders stay until deleted (``rm -r ~/.cache/lbt-inductor``)."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "lbt-inductor" / h.hexdigest()[:16]
+    return root / "lbt-inductor" / source_digest()[:16]
 
 
 # A test (or a caller) that sets its own cache keeps it; the training runs tests start inherit this one.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
 # Peak-memory plans kept between the launcher starts of the suite (titan/launch/peak_cache.py: keyed by the
 # source and by what the planner reads, so a test that changes a run's shape is planned again).
-os.environ.setdefault("LBT_PEAK_CACHE", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parents[1] / "lbt-peak"))
+os.environ.setdefault(
+    "LBT_PEAK_CACHE", str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parents[1] / "lbt-peak")
+)
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from low_bits_training.titan.platform import cpu  # noqa: E402
 
-if cpu.needs_cpu_adapters() and _version_or_none("torchtitan") != "none":
+if cpu.needs_cpu_adapters() and installed_version("torchtitan") != "none":
     cpu.install_device_module()
 
 

@@ -4,7 +4,8 @@ goes along the arrow, and no import circle exists between modules, not even insi
 The arrow (README, "Layers"):
 
     formats <- numerics <- nn <- {optim, config} <- {run, plan} <- {titan, speed} <- report <- cli
-    data/, errors (the one ConfigError) and upstream (the private torch names below titan) beside formats; run/ (run folder, exit codes, secrets) needs only config
+    data/, errors (the one ConfigError), source (the source digest) and upstream (the private torch names below
+    titan) beside formats; run/ (run folder, exit codes, secrets) needs only config
 
 Each layer may import the layers listed for it in ``MAY_IMPORT`` (and its own modules); nothing else. Inside
 titan the rooms go by lifecycle, ``platform <- plan <- runtime <- launch`` (``TITAN_ROOMS``). The
@@ -21,9 +22,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "low_bits_training"
 
-_BASE = {"formats", "data", "errors", "upstream"}
+_BASE = {"formats", "data", "errors", "upstream", "source"}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
+    "source": set(),
     "upstream": set(),
     "formats": {"upstream"},
     "data": set(),

@@ -13,9 +13,9 @@ import torch
 from low_bits_training.config.memory import FREE_FRACTION
 from low_bits_training.errors import ConfigError
 from low_bits_training.run.folder import PEAK_PLAN_ENV
+from low_bits_training.titan.launch.peak_cache import kept, plan_key
 from low_bits_training.titan.launch.validate import model_as_trained
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters
-from low_bits_training.titan.launch.peak_cache import kept, plan_key
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, gib
 from low_bits_training.titan.runtime.peak_fit import in_child, plan_and_fit, ranked
 from low_bits_training.titan.targets.registry import run_of

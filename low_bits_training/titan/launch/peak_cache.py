@@ -17,13 +17,12 @@ import json
 import os
 import pickle
 import re
-import sys
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, TypeVar
 
 from low_bits_training.run.folder import write_atomic
+from low_bits_training.source import source_digest
 
 PEAK_CACHE_ENV = "LBT_PEAK_CACHE"
 """The folder of kept plans (unset or empty: none kept)."""
@@ -61,26 +60,13 @@ def plan_key(config: Any, *more: Any) -> str:
 
 
 @functools.cache
-def _source_digest() -> str:
-    h = hashlib.sha256(sys.version.encode())
-    for dist in ("torch", "torchtitan", "torchao"):
-        try:
-            h.update(f"{dist}={version(dist)}".encode())
-        except PackageNotFoundError:
-            h.update(f"{dist}=none".encode())
-    package = Path(__file__).resolve().parents[2]
-    for path in sorted(package.rglob("*.py")):
-        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def kept(key: str, make: Callable[[], T]) -> T:
     """``make()``, or with ``LBT_PEAK_CACHE`` set what an earlier ``make()`` of the same ``key`` and source gave
     (stored there after it ran; an exception is raised as it comes and nothing is stored)."""
     folder = os.environ.get(PEAK_CACHE_ENV)
     if not folder:
         return make()
-    path = Path(folder) / (hashlib.sha256((_source_digest() + key).encode()).hexdigest()[:32] + ".pkl")
+    path = Path(folder) / (hashlib.sha256((source_digest() + key).encode()).hexdigest()[:32] + ".pkl")
     if path.exists():
         return pickle.loads(path.read_bytes())
     value = make()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers import DEBUG_TOML
 import pytest
 import torch
 from torch import nn
 
+from helpers import DEBUG_TOML
 from low_bits_training.cli.plan_checks import check_backends
 from low_bits_training.config.numerics import NumericsConfig
 from low_bits_training.nn.hardware import Hardware
