@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,8 +38,29 @@ class LowBitOptimizer(Optimizer):
         super().__init__(params, defaults)
         self._options_cache: dict[Any, Any] = {}
         self._layouts: dict[torch.Tensor, tuple[Any, ParamLayout]] = {}
-        for group in self.param_groups:
-            self.options(group)  # validate every group now, before any step
+        self.update_in_backward = True
+        self._grad_sq = torch.zeros((), dtype=torch.float32)
+        """False: the ``in_backward`` hooks only free each gradient (the peak planner counts that, with no values
+        to update)."""
+        for gi, group in enumerate(self.param_groups):
+            if self.options(group).in_backward:  # validated here too, before any step
+                for i, p in enumerate(group["params"]):
+                    p.register_post_accumulate_grad_hook(functools.partial(self._step_in_backward, gi, i))
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """Some group has ``in_backward``: its parameters are updated by hooks in the backward."""
+        return any(self.options(g).in_backward for g in self.param_groups)
+
+    def grad_norm_in_backward(self) -> torch.Tensor:
+        """The 2-norm of the gradients the ``in_backward`` hooks used since the last ``zero_grad`` (fp32, on
+        their device): what gradient clipping would have measured, as torchtitan logs it."""
+        return self._grad_sq.sqrt()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, and the ``in_backward`` gradient norm starts again."""
+        super().zero_grad(set_to_none)
+        self._grad_sq = torch.zeros_like(self._grad_sq)
 
     def options(self, group: dict[str, Any]):
         """The validated options of a param group, cached by its hyperparameters except the LR (the scheduler
@@ -105,13 +127,25 @@ class LowBitOptimizer(Optimizer):
         batch = ChunkBatch(self.chunk_numel)
         for gi, group in enumerate(self.param_groups):
             opts = self.options(group)
-            names = group.get("param_names") or [f"{gi}.{i}" for i in range(len(group["params"]))]
             hypers: dict[tuple, torch.Tensor] = {}  # the group's step scalars, per (step, device)
-            for p, fqn in zip(group["params"], names, strict=True):
+            for i, p in enumerate(group["params"]):
                 if p.grad is not None:
-                    self._update(p, fqn, group, opts, hypers, batch)
+                    self._update(p, _fqn(group, gi, i), group, opts, hypers, batch)
         batch.flush()
         return loss
+
+    @torch.no_grad()
+    def _step_in_backward(self, gi: int, i: int, p: torch.Tensor) -> None:
+        """``in_backward``: update ``p`` (parameter ``i`` of group ``gi``) as ``step()`` would, then free its
+        gradient."""
+        g = local(p.grad)
+        self._grad_sq = self._grad_sq.to(g.device) + g.float().square().sum()
+        if self.update_in_backward:
+            group = self.param_groups[gi]
+            batch = ChunkBatch(self.chunk_numel)
+            self._update(p, _fqn(group, gi, i), group, self.options(group), {}, batch)
+            batch.flush()
+        p.grad = None
 
     def _update(self, p: torch.Tensor, fqn: str, group: dict[str, Any], opts, hypers: dict, batch) -> None:
         lay, state = self.layout(p, opts), self.state[p]
@@ -152,3 +186,9 @@ class LowBitOptimizer(Optimizer):
             for k, v in st.items():
                 if torch.is_tensor(v) and k != "step":
                     mine[k] = v.to(device=mine[k].device)
+
+
+def _fqn(group: dict[str, Any], gi: int, i: int) -> str:
+    """The name that keys parameter ``i`` of group ``gi``'s random streams: its FQN, else ``"<gi>.<i>"``."""
+    names = group.get("param_names")
+    return names[i] if names else f"{gi}.{i}"

@@ -228,7 +228,10 @@ def state_bytes(
         out.numel += math.prod(shape)
         stored = sharding.padded_numel(shape) * pdt.itemsize * copies
         out.add("params", stored, master_label(group, name, pdt))
-        out.add("grads", stored, dtype_name(pdt))
+        if group.get("in_backward"):  # used and freed in the backward, one parameter's at a time
+            out.add("grads", 0, f"{dtype_name(pdt)}, freed in the backward")
+        else:
+            out.add("grads", stored, dtype_name(pdt))
         STATE_MODELS[name](group, shape, sharding.local_shapes(shape), sharding, out)
         out.add("step", STEP_BYTES * sharding.shards * copies, "fp32 scalar per tensor")
     return out

@@ -53,6 +53,8 @@ def live_bytes(params: Iterable[torch.Tensor], optimizer_states: Iterable[dict[s
         add("params", p)
         if p.grad is not None:
             add("grads", p.grad)
+        else:  # freed in the backward (``in_backward``), or not computed: the row is there, with no bytes
+            out.add("grads", 0, "none held")
     for st in optimizer_states:
         for key, value in st.items():
             if torch.is_tensor(value):

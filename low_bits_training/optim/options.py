@@ -68,6 +68,14 @@ class _Common:
     ``train_configs/debug_lean.toml``, 3 steps from a cold compile cache, took 292 s with 65536 against 123 s
     without on 2 shared cores; later steps run faster (docs/optimizers.md)."""
 
+    in_backward: bool = False
+    """Update each parameter of the group in the backward, as soon as its gradient is complete (a
+    ``register_post_accumulate_grad_hook``), and free that gradient: the gradients are never all held at once
+    (``training.dtype``'s 2-4 bytes per parameter less at the peak). The same update and bits as ``step()``
+    (one parameter at a time, its own random stream); ``step()`` then finds no gradients. The gradients must be
+    whole after one backward on one rank: no gradient clipping, accumulation, data / tensor / pipeline /
+    context parallelism, NaN skipping or autopilot (the launcher refuses them, ``titan/runtime/optim.py``)."""
+
     def __post_init__(self) -> None:
         for name, allowed in choice_fields(type(self)):
             value = getattr(self, name)
@@ -77,8 +85,9 @@ class _Common:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{key}={v!r}: allowed a finite number >= 0")
-        if not isinstance(self.fused, bool):
-            raise ValueError(f"fused={self.fused!r}: allowed true, false")
+        for key in ("fused", "in_backward"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key}={getattr(self, key)!r}: allowed true, false")
         for key in ("min_quantized_numel", "seed", "batch_numel"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -23,6 +23,7 @@ from low_bits_training.errors import ConfigError
 from low_bits_training.titan.runtime.checkpoint import preflight
 from low_bits_training.titan.runtime.manifest import fingerprint
 from low_bits_training.titan.runtime.numerics.monitor import layer_probes_work
+from low_bits_training.titan.runtime.optim import check_in_backward
 from low_bits_training.titan.targets.attention import check_attention_memory
 from low_bits_training.titan.targets.registry import run_of
 
@@ -270,6 +271,7 @@ def check_run(config: Any, world_size: int) -> str | None:
     check_comm(config, layout)
     check_numerics(config, layout)
     check_autopilot(config, layout)
+    check_in_backward(config, layout)
     check_attention_memory(config, run_of(config).plans, device_memory())
     model = model_as_trained(config)
     return preflight(config, trained_fingerprint(config, model), layout.data_ranks)

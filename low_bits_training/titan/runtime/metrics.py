@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,9 @@ class LowBitsMetricsProcessor(MetricLoggerHook, MetricsProcessor):
         # The run's last step (training.steps), always logged: the trainer passes its whole config as a dict.
         self.last_step = int((config_dict or {}).get("training", {}).get("steps", 0))
         self.last_logged: tuple[int, float, float] | None = None
+        self.in_backward_norms: Callable[[], list[float]] | None = None
+        """The trainer sets it when an optimizer updates in the backward (``in_backward``): the norms of the
+        gradients its hooks used and freed, which torchtitan's clipping no longer sees."""
         if cpu.needs_cpu_adapters():
             # MFU divides by the device's bf16 peak; upstream has none for the CPU and takes an A100's
             # (tools/utils.py get_peak_flops). Its switch for "no MFU" is has_quantization (metrics.py log).
@@ -79,6 +83,8 @@ class LowBitsMetricsProcessor(MetricLoggerHook, MetricsProcessor):
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float, **kwargs):
         """Upstream's log; the step's loss and gradient norm (the same on every rank) are kept in
         ``last_logged`` for the autopilot's spike trigger (titan/runtime/autopilot/)."""
+        if self.in_backward_norms is not None:  # the norm of every gradient of the step, as without it
+            grad_norm = math.sqrt(float(grad_norm) ** 2 + sum(n * n for n in self.in_backward_norms()))
         self.last_logged = (step, float(global_avg_loss), float(grad_norm))
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
 

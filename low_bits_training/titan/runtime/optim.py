@@ -100,3 +100,41 @@ def adapt_optimizer_config(config) -> None:
     if not isinstance(old, LowBitOptimizersContainer.Config):
         fields = {f.name: getattr(old, f.name) for f in dataclasses.fields(old) if f.init}
         config.optimizer = LowBitOptimizersContainer.Config(**fields)
+
+
+def check_in_backward(config, layout) -> None:
+    """A group with ``optimizer_kwargs.in_backward = true`` updates each parameter as its gradient completes in
+    the backward and frees it (``optim.base``): that gradient must be the step's whole gradient, and nothing
+    after the backward may need the gradients or undo the update.
+
+    Args:
+        config: the resolved config.
+        layout: its parallel degrees (``launch.validate.Layout``).
+
+    Raises:
+        ConfigError: one line naming the group's key and the setting that conflicts with it.
+    """
+    where = next(
+        (f"optimizer.param_groups[{i}].optimizer_kwargs.in_backward = true" for i, pg in
+         enumerate(config.optimizer.param_groups) if pg.optimizer_name in OPTIMIZERS and
+         pg.optimizer_kwargs.get("in_backward") is True),
+        None,
+    )  # fmt: skip
+    if where is None:
+        return
+    t = config.training
+    degrees = {"data_parallel_replicate_degree": layout.dp_replicate, "data_parallel_shard_degree": layout.dp_shard,
+               "context_parallel_degree": layout.cp, "tensor_parallel_degree": layout.tp,
+               "pipeline_parallel_degree": layout.pp}  # fmt: skip
+    conflicts = [f"parallelism.{k} = {v} (the gradients are reduced or split after the backward)"
+                 for k, v in degrees.items() if v > 1]  # fmt: skip
+    if t.max_norm != float("inf"):
+        conflicts.append(f"training.max_norm = {t.max_norm} (clipping needs every gradient; set it to inf)")
+    if t.global_batch_size not in (-1, t.local_batch_size * layout.data_ranks):
+        conflicts.append(f"training.global_batch_size = {t.global_batch_size} (gradient accumulation)")
+    if config.numerics.nonfinite == "skip":
+        conflicts.append('numerics.nonfinite = "skip" (the update has happened when the check runs)')
+    if config.quantize.autopilot.enable:
+        conflicts.append("quantize.autopilot.enable = true (it may run a step again)")
+    if conflicts:
+        raise ConfigError(f"{where}: updates in the backward, so not with {conflicts[0]}")

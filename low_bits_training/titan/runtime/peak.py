@@ -244,6 +244,9 @@ def _two_steps(
     positions = torch.arange(t.seq_len).repeat(t.local_batch_size, 1)
     valid = torch.tensor(float(t.local_batch_size * t.seq_len))
     peaks, stand_ins = [], []
+    in_backward = [o for o in optimizers.optimizers if getattr(o, "updates_in_backward", False)]
+    for opt in in_backward:
+        opt.update_in_backward = False  # its hooks only free each gradient (no values to update with)
     with count:
         for _ in range(2):
             count.phase = "forward and backward"
@@ -256,7 +259,11 @@ def _two_steps(
                 forward_backward_body(trainer, inputs, labels, valid, extra)
                 _tag_step_state(count, model, optimizers)
             count.phase = "optimizer step"
-            if not stand_ins:
+            if (
+                not stand_ins and in_backward
+            ):  # the hooks freed the gradients; the states as the budget has them
+                stand_ins.extend(_state_stand_ins(budget, dims.world_size, optimizers))
+            elif not stand_ins:
                 try:
                     optimizers.step()
                 except FAKE_REFUSALS:  # an update that reads values (our low-bit optimizers' step counter)

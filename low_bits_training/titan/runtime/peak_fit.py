@@ -4,28 +4,36 @@ the planning run in a forked child (the launcher's ranks are forked after it).""
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import traceback
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from low_bits_training.errors import ConfigError
+from low_bits_training.optim import OPTIMIZERS
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters, repoint_at_cpu
+from low_bits_training.titan.runtime.optim import check_in_backward
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
 
 
-def _candidates(config: Any) -> list[tuple[str, dict[str, Any]]]:
-    """``[(command-line flags, {config attribute: value})]`` of the changes ``cheapest_fit`` tries, cheapest
-    first: selective activation checkpointing (recomputes the cheap ops; where no AC runs), full (recomputes
-    each block), then the local batch halved while above 1 (the global batch kept by gradient accumulation)."""
+def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, Any]]]:
+    """``[(the change as a user makes it, {config attribute: value})]`` of the changes ``cheapest_fit`` tries,
+    cheapest first: selective activation checkpointing (recomputes the cheap ops; where no AC runs), full
+    (recomputes each block), the low-bit optimizers' updates in the backward (no gradients held; one rank, no
+    clipping: only where ``check_in_backward`` allows it), then the local batch halved while above 1 (the
+    global batch kept by gradient accumulation)."""
     out = []
     ac = config.activation_checkpoint
     if ac is None:
         out.append(("--activation_checkpoint selective", {"activation_checkpoint": SelectiveAC.Config()}))
     if not isinstance(ac, FullAC.Config):
         out.append(("--activation_checkpoint full", {"activation_checkpoint": FullAC.Config()}))
+    out += _in_backward(config, world_size)
     t = config.training
     keep = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size
     batch = t.local_batch_size
@@ -36,27 +44,60 @@ def _candidates(config: Any) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def _in_backward(config: Any, world_size: int) -> list[tuple[str, dict[str, Any]]]:
+    """The change to ``in_backward`` of every low-bit optimizer group without it, if the run allows it."""
+    groups = [i for i, g in enumerate(config.optimizer.param_groups)
+              if g.optimizer_name in OPTIMIZERS and not g.optimizer_kwargs.get("in_backward")]  # fmt: skip
+    if not groups or world_size != 1:
+        return []
+    changes: dict[str, Any] = {
+        f"optimizer.param_groups.{i}.optimizer_kwargs.in_backward": True for i in groups
+    }
+    changes["training.max_norm"] = math.inf
+    one_rank = SimpleNamespace(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, data_ranks=1)
+    with _changed(config, changes):
+        try:
+            check_in_backward(config, one_rank)
+        except ConfigError:  # accumulation, the autopilot, NaN skipping: not a change to offer
+            return []
+    where = ", ".join(f"optimizer.param_groups[{i}]" for i in groups)
+    return [(f"optimizer_kwargs.in_backward = true in {where} with --training.max_norm inf", changes)]
+
+
+_MISSING = object()
+
+
 def _owner(config: Any, key: str) -> tuple[Any, str]:
     *path, name = key.split(".")
     for part in path:
-        config = getattr(config, part)
+        config = config[int(part)] if part.isdigit() else getattr(config, part)
     return config, name
 
 
 @contextlib.contextmanager
 def _changed(config: Any, changes: dict[str, Any]):
-    """``config`` with ``changes`` (dotted attribute paths) applied, restored after."""
+    """``config`` with ``changes`` (dotted paths of attributes, list indices and dict keys) applied, restored
+    after."""
     old = {}
     for key, value in changes.items():
         owner, name = _owner(config, key)
-        old[key] = getattr(owner, name)
-        setattr(owner, name, value)
+        if isinstance(owner, dict):
+            old[key] = owner.get(name, _MISSING)
+            owner[name] = value
+        else:
+            old[key] = getattr(owner, name)
+            setattr(owner, name, value)
     try:
         yield config
     finally:
         for key, value in old.items():
             owner, name = _owner(config, key)
-            setattr(owner, name, value)
+            if not isinstance(owner, dict):
+                setattr(owner, name, value)
+            elif value is _MISSING:
+                del owner[name]
+            else:
+                owner[name] = value
 
 
 def cheapest_fit(
@@ -71,7 +112,7 @@ def cheapest_fit(
     """The changes of ``_candidates`` planned in order (at most ``tries``), until one brings the planned peak
     under ``limit`` bytes (``every``: all of them): ``[(flags, PeakPlan)]`` of those planned, in that order."""
     out = []
-    for flags, changes in _candidates(config)[:tries]:
+    for flags, changes in _candidates(config, world_size)[:tries]:
         with _changed(config, changes):
             plan = plan_peak(config, world_size, device_type, model_of)
         out.append((flags, plan))

@@ -56,6 +56,11 @@ class LowBitsTrainer(Trainer):
         self._lbt_schedule = install_schedule(self, run_of(config))
         # delayed scaling: one amax history on every data rank (titan/targets/delayed.py)
         install_amax_group(self)
+        in_backward = [o for o in self.optimizers.optimizers if getattr(o, "updates_in_backward", False)]
+        if in_backward:  # the logged grad_norm counts the gradients updated and freed in the backward
+            self.metrics_processor.in_backward_norms = lambda: [
+                o.grad_norm_in_backward().item() for o in in_backward
+            ]
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
