@@ -39,9 +39,9 @@ class LowBitOptimizer(Optimizer):
         self._options_cache: dict[Any, Any] = {}
         self._layouts: dict[torch.Tensor, tuple[Any, ParamLayout]] = {}
         self.update_in_backward = True
-        self._grad_sq = torch.zeros((), dtype=torch.float32)
         """False: the ``in_backward`` hooks only free each gradient (the peak planner counts that, with no values
         to update)."""
+        self._grad_sq = torch.zeros((), dtype=torch.float64)
         for gi, group in enumerate(self.param_groups):
             if self.options(group).in_backward:  # validated here too, before any step
                 for i, p in enumerate(group["params"]):
@@ -53,7 +53,7 @@ class LowBitOptimizer(Optimizer):
         return any(self.options(g).in_backward for g in self.param_groups)
 
     def grad_norm_in_backward(self) -> torch.Tensor:
-        """The 2-norm of the gradients the ``in_backward`` hooks used since the last ``zero_grad`` (fp32, on
+        """The 2-norm of the gradients the ``in_backward`` hooks used since the last ``zero_grad`` (fp64, on
         their device): what gradient clipping would have measured, as torchtitan logs it."""
         return self._grad_sq.sqrt()
 
@@ -138,8 +138,8 @@ class LowBitOptimizer(Optimizer):
     def _step_in_backward(self, gi: int, i: int, p: torch.Tensor) -> None:
         """``in_backward``: update ``p`` (parameter ``i`` of group ``gi``) as ``step()`` would, then free its
         gradient."""
-        g = local(p.grad)
-        self._grad_sq = self._grad_sq.to(g.device) + g.float().square().sum()
+        g = local(p.grad)  # its norm in one reduction, accumulated in fp64: no fp32 copy of the gradient
+        self._grad_sq = self._grad_sq.to(g.device) + torch.linalg.vector_norm(g, dtype=torch.float64).square()
         if self.update_in_backward:
             group = self.param_groups[gi]
             batch = ChunkBatch(self.chunk_numel)

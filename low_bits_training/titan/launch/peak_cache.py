@@ -59,14 +59,17 @@ def plan_key(config: Any, *more: Any) -> str:
     return _ADDRESS.sub("", json.dumps([d, *more], sort_keys=True, default=str))
 
 
-@functools.cache
+_digest = functools.cache(source_digest)
+"""``source.source_digest``, read once per process (the source under a running process does not change)."""
+
+
 def kept(key: str, make: Callable[[], T]) -> T:
     """``make()``, or with ``LBT_PEAK_CACHE`` set what an earlier ``make()`` of the same ``key`` and source gave
     (stored there after it ran; an exception is raised as it comes and nothing is stored)."""
     folder = os.environ.get(PEAK_CACHE_ENV)
     if not folder:
         return make()
-    path = Path(folder) / (hashlib.sha256((source_digest() + key).encode()).hexdigest()[:32] + ".pkl")
+    path = Path(folder) / (hashlib.sha256((_digest() + key).encode()).hexdigest()[:32] + ".pkl")
     if path.exists():
         return pickle.loads(path.read_bytes())
     value = make()

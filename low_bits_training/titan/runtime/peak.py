@@ -259,9 +259,7 @@ def _two_steps(
                 forward_backward_body(trainer, inputs, labels, valid, extra)
                 _tag_step_state(count, model, optimizers)
             count.phase = "optimizer step"
-            if (
-                not stand_ins and in_backward
-            ):  # the hooks freed the gradients; the states as the budget has them
+            if not stand_ins and in_backward:  # the hooks freed the gradients; states as the budget has them
                 stand_ins.extend(_state_stand_ins(budget, dims.world_size, optimizers))
             elif not stand_ins:
                 try:
