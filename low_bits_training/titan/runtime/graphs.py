@@ -17,6 +17,8 @@ What a run may turn on that is not capturable, each a reason ``graph_blockers`` 
   triggers read statistics a replay never records, and a step it redoes after a NaN would replay the same
   graph until ``max_redos`` runs out;
 - ``numerics.nonfinite = "skip"``: drops a step by setting ``p.grad = None``; a graph keeps static grads;
+- the low-bit optimizers' ``in_backward``: their hooks update parameters inside the backward, reading each
+  parameter's step counter on the host, and set its gradient to None;
 - ``[quantize.comm]`` low-bit collectives: their stochastic-rounding keys and byte counters are host state;
 - torchao's FSDP fp8 scale precompute: assigns new tensors after every optimizer step;
 - emulated MoE experts: the grouped GEMM (``nn.grouped.grouped_mm``) reads the group offsets on the host;
@@ -35,6 +37,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from low_bits_training.config.comm import wire_spec
+from low_bits_training.titan.runtime.optim import in_backward_groups
 from low_bits_training.titan.targets.expert_modules import TitanQuantGroupedExperts
 
 GRAPHS_OFF = "CUDA graphs off"
@@ -57,6 +60,10 @@ def graph_blockers(config: Any) -> list[str]:
         (bool(quant.phases), "[[quantize.phases]] change the plan mid-run"),
         (quant.autopilot.enable, "[quantize.autopilot] switches plans and redoes steps mid-run"),
         (num.nonfinite == "skip", "numerics.nonfinite = 'skip' drops gradients the graph keeps"),
+        (
+            bool(in_backward_groups(config)),
+            "optimizer_kwargs.in_backward updates parameters in the backward (a host read) and frees their gradients",
+        ),
         (
             any(wire_spec(getattr(quant.comm, c), c) is not None for c in ("all_gather", "reduce_scatter")),
             "[quantize.comm] low-bit collectives keep their rounding keys and byte counts on the host",

@@ -102,6 +102,13 @@ def adapt_optimizer_config(config) -> None:
         config.optimizer = LowBitOptimizersContainer.Config(**fields)
 
 
+def in_backward_groups(config, on: bool = True) -> list[int]:
+    """Indices of the ``[[optimizer.param_groups]]`` of our low-bit optimizers whose ``optimizer_kwargs.in_backward``
+    is ``on`` (the launcher's check, the CUDA-graph policy and the fit planner read it here)."""
+    return [i for i, pg in enumerate(config.optimizer.param_groups)
+            if pg.optimizer_name in OPTIMIZERS and bool(pg.optimizer_kwargs.get("in_backward")) == on]  # fmt: skip
+
+
 def check_in_backward(config, layout) -> None:
     """A group with ``optimizer_kwargs.in_backward = true`` updates each parameter as its gradient completes in
     the backward and frees it (``optim.base``): that gradient must be the step's whole gradient, and nothing
@@ -114,14 +121,10 @@ def check_in_backward(config, layout) -> None:
     Raises:
         ConfigError: one line naming the group's key and the setting that conflicts with it.
     """
-    where = next(
-        (f"optimizer.param_groups[{i}].optimizer_kwargs.in_backward = true" for i, pg in
-         enumerate(config.optimizer.param_groups) if pg.optimizer_name in OPTIMIZERS and
-         pg.optimizer_kwargs.get("in_backward") is True),
-        None,
-    )  # fmt: skip
-    if where is None:
+    groups = in_backward_groups(config)
+    if not groups:
         return
+    where = f"optimizer.param_groups[{groups[0]}].optimizer_kwargs.in_backward = true"
     t = config.training
     degrees = {"data_parallel_replicate_degree": layout.dp_replicate, "data_parallel_shard_degree": layout.dp_shard,
                "context_parallel_degree": layout.cp, "tensor_parallel_degree": layout.tp,

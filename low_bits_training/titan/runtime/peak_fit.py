@@ -15,9 +15,8 @@ import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from low_bits_training.errors import ConfigError
-from low_bits_training.optim import OPTIMIZERS
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters, repoint_at_cpu
-from low_bits_training.titan.runtime.optim import check_in_backward
+from low_bits_training.titan.runtime.optim import check_in_backward, in_backward_groups
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
 
 
@@ -46,8 +45,7 @@ def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, A
 
 def _in_backward(config: Any, world_size: int) -> list[tuple[str, dict[str, Any]]]:
     """The change to ``in_backward`` of every low-bit optimizer group without it, if the run allows it."""
-    groups = [i for i, g in enumerate(config.optimizer.param_groups)
-              if g.optimizer_name in OPTIMIZERS and not g.optimizer_kwargs.get("in_backward")]  # fmt: skip
+    groups = in_backward_groups(config, on=False)
     if not groups or world_size != 1:
         return []
     changes: dict[str, Any] = {

@@ -353,6 +353,9 @@ def _resolved(config_file, *flags):
          ["[quantize.autopilot] switches plans and redoes steps mid-run"]),
         (CONFIGS / "recipes" / "debug_fp8_rowwise.toml", ("--numerics.nonfinite", "skip"),
          ["numerics.nonfinite = 'skip' drops gradients the graph keeps"]),
+        (CONFIGS / "debug_one_gpu_twin.toml", (),  # the 8B one-GPU preset's state on the debug model
+         ["optimizer_kwargs.in_backward updates parameters in the backward (a host read) and frees their gradients"]),
+        (CONFIGS / "debug_lean.toml", (), []),  # the same low-bit state updated after the backward
     ],
 )  # fmt: skip
 def test_graph_policy_per_run(config_file, flags, reasons):
