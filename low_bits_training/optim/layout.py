@@ -97,6 +97,11 @@ class ParamLayout:
     offset: tuple[int, ...]
     """Global index of the shard's first element (keys the random streams)."""
 
+    def merged(self, n: int) -> list[tuple[int, int]]:
+        """(first row, end row) of runs of ``n`` consecutive chunks (the last run may hold fewer)."""
+        last = len(self.chunks) - 1
+        return [(self.chunks[i][0], self.chunks[min(i + n - 1, last)][1]) for i in range(0, last + 1, n)]
+
     @property
     def starts(self) -> list[int]:
         """First element of each chunk in the flat shard."""

@@ -170,8 +170,9 @@ def test_zero_states_equal_encoded_zeros(name):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_first_step_allocates_states_plus_one_chunk(fused):
-    # 1M elements: an fp32 copy of one state (4 MiB) would break the bound; chunks of 16K elements (64 KiB).
+def test_first_step_allocates_states_plus_one_calls_chunks(fused):
+    # 1M elements: an fp32 copy of one state (4 MiB) would break the bound; chunks of 16K elements (64 KiB),
+    # the fused update 4 of them a call (call_chunks).
     cls, kw = CONFIGS["adamw int8/e4m3 sqrt v_floor, bf16 master kahan"]
     p = torch.randn(1024, 1024).requires_grad_()
     p.grad = torch.randn(1024, 1024)
@@ -180,3 +181,23 @@ def test_first_step_allocates_states_plus_one_chunk(fused):
     states = sum(v.nbytes for k, v in opt.state[p].items() if k != "step")
     assert states == 1024 * 1024 * (2 + 2 * 4 / 128 + 2)  # int8 m + e4m3 v + fp32 scales + bf16 Kahan
     assert states <= peak < states + (1 << 20), (peak - states) / 2**20
+
+
+@pytest.mark.parametrize(
+    ("exp_avg", "rows"), [("int8_block128", [64, 64, 16]), ("int8_block128_sr", [16] * 9)]
+)
+def test_a_call_runs_call_chunks_chunks_unless_they_draw_random_bits(monkeypatch, exp_avg, rows):
+    """9 chunks of 16 rows (2048 elements in rows of 128): nearest states run 4 chunks a call (3 calls, the
+    same bits, as the equality test above holds), stochastic ones a call per chunk (each its own key row)."""
+    import low_bits_training.optim.base as base
+
+    calls = []
+    monkeypatch.setattr(
+        base, "run_fused", lambda spec, tensors, hyper, keys: calls.append(tensors[0].shape[0])
+    )
+    p = torch.randn(48, 384, requires_grad=True)
+    p.grad = torch.randn_like(p)
+    opt = _opt(LowBitAdamW, [p], True, {"exp_avg": exp_avg, "exp_avg_sq": "int8_block128"})
+    assert opt.call_chunks == 4 and len(opt.layout(p, opt.options(opt.param_groups[0])).chunks) == 9
+    opt.step()
+    assert calls == rows
