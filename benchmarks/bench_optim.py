@@ -40,11 +40,16 @@ BOUND_MIB = 64
 OPTIONS: dict[str, tuple[str, dict]] = {
     "torch AdamW fp32 (foreach)": ("AdamW", {}),
     "LowBitAdamW bf16/bf16": ("LowBitAdamW", {"exp_avg": "bf16", "exp_avg_sq": "bf16"}),
+    "LowBitAdamW defaults (int8/int8 sqrt(v) block128)": ("LowBitAdamW", {}),
     "LowBitAdamW int8/e4m3 block128": ("LowBitAdamW", {"exp_avg_sq": "e4m3_block128"}),
     "LowBitAdamW int8/e4m3 block128, eager": ("LowBitAdamW", {"exp_avg_sq": "e4m3_block128", "fused": False}),
     "LowBitAdamW int4/e2m1 block128": (
         "LowBitAdamW",
         {"exp_avg": "int4_block128", "exp_avg_sq": "e2m1_block128"},
+    ),
+    "LowBitAdamW e2m1/int4 block128 (the 4-bit presets')": (
+        "LowBitAdamW",
+        {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128"},
     ),
     "LowBitAdamW int4/e2m1 block32 e8m0": (
         "LowBitAdamW",
@@ -261,6 +266,9 @@ DIRECTION_FORMATS: dict[str, dict] = {
     },
     "dt8_block256 / int8_block128 sqrt(v)": {"exp_avg": "dt8_block256", "exp_avg_sq": "int8_block128"},
     "int8_block128 / udt8_block128 sqrt(v)": {"exp_avg_sq": "udt8_block128"},
+    "int4_block128 / e2m1_block128 sqrt(v)": {"exp_avg": "int4_block128", "exp_avg_sq": "e2m1_block128"},
+    "e2m1_block128 / e2m1_block128 sqrt(v)": {"exp_avg": "e2m1_block128", "exp_avg_sq": "e2m1_block128"},
+    "e2m1_block128 / int4_block128 sqrt(v)": {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128"},
 }
 """Update-direction rows: state formats of LowBitAdamW (``AdamWOptions`` keys; the rest its defaults)."""
 
@@ -305,11 +313,13 @@ def direction_errors(steps: int) -> list[dict]:
     """Relative error ||u_q - u|| / ||u|| of the update direction u = m_hat / (sqrt(v_hat) + eps) when m and v
     go through each state format of ``DIRECTION_FORMATS`` (the optimizer's own codec; sqrt(v) squared back
     where stored; with and without the optimizer's ``v_floor``), over the 2-D weights of ``real_moments``;
-    and torchao AdamW8bit's quantizer (signed dynamic map on m, unsigned on v, blocks of 256) as the peer."""
+    and torchao AdamW8bit's / AdamW4bit's quantizers as the peers (8-bit: signed dynamic map on m, unsigned on v,
+    blocks of 256; 4-bit: signed 4-bit dynamic map on m, 16 even steps without 0 on v, blocks of 128)."""
     import torch
     from torchao.optim.quant_utils import (
         create_dynamic_map,
         dequant_with_qmap,
+        quantize_4bit_with_qmap,
         quantize_8bit_with_qmap,
         scale_tensor,
     )
@@ -328,6 +338,12 @@ def direction_errors(steps: int) -> list[dict]:
         qmap = torch.tensor(create_dynamic_map(signed=signed), dtype=torch.float32)
         scaled, scale = scale_tensor(x, 256)
         return dequant_with_qmap(quantize_8bit_with_qmap(scaled, qmap), qmap, scale)
+
+    def torchao_q4(x, signed):  # torchao's AdamW4bit maps (subclass_4bit.get_qmap_signed / _unsigned)
+        qmap = create_dynamic_map(True, 3, 4) if signed else torch.linspace(0, 1, 17)[1:].tolist()
+        qmap = torch.tensor(qmap, dtype=torch.float32)
+        scaled, scale = scale_tensor(x, 128)
+        return dequant_with_qmap(quantize_4bit_with_qmap(scaled, qmap), qmap, scale).view_as(x)
 
     def row(label, quantize, floor):
         num = den = flushed = n = 0.0
@@ -349,6 +365,8 @@ def direction_errors(steps: int) -> list[dict]:
         rows += [row(label, q, True), row(label, q, False)]
     ao = lambda m, v: (torchao_q(m, True), torchao_q(v, False))  # noqa: E731
     rows.append(row("torchao AdamW8bit (dynamic map m / v, block 256)", ao, False))
+    ao4 = lambda m, v: (torchao_q4(m, True), torchao_q4(v, False))  # noqa: E731
+    rows.append(row("torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)", ao4, False))
     return rows
 
 
@@ -372,6 +390,10 @@ PROBE_FORMATS: dict[str, dict] = {
     "int8_block128 / udt8_block128 sqrt(v)": {"exp_avg_sq": "udt8_block128"},
     "dt8_block128 / udt8_block128 sqrt(v)": {"exp_avg": "dt8_block128", "exp_avg_sq": "udt8_block128"},
     "dt8_block256 / udt8_block256 sqrt(v)": {"exp_avg": "dt8_block256", "exp_avg_sq": "udt8_block256"},
+    "int4_block128 / e2m1_block128 sqrt(v)": {"exp_avg": "int4_block128", "exp_avg_sq": "e2m1_block128"},
+    "int4_block128 / int4_block128 sqrt(v)": {"exp_avg": "int4_block128", "exp_avg_sq": "int4_block128"},
+    "e2m1_block128 / e2m1_block128 sqrt(v)": {"exp_avg": "e2m1_block128", "exp_avg_sq": "e2m1_block128"},
+    "e2m1_block128 / int4_block128 sqrt(v)": {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128"},
 }
 """Probe rows: LowBitAdamW state formats (``AdamWOptions`` keys; the rest its defaults)."""
 
@@ -412,9 +434,10 @@ def probe_loss(make_opt, steps: int, seed: int) -> float:
         return torch.nn.functional.mse_loss(student(x_eval), x_eval @ teacher.T).item()
 
 
-def probe_gaps(steps: int, seeds: list[int]) -> list[dict]:
-    """Per optimizer of ``PROBE_FORMATS`` (and torchao AdamW8bit): the excess loss of ``probe_loss`` relative
-    to fp32 torch AdamW's on the same seed, in %, for each of ``seeds``."""
+def probe_gaps(steps: int, seeds: list[int], only: list[str] | None = None) -> list[dict]:
+    """Per optimizer of ``PROBE_FORMATS`` (and torchao AdamW8bit / AdamW4bit), or those of them named in
+    ``only``: the excess loss of ``probe_loss`` relative to fp32 torch AdamW's (always run) on the same seed, in
+    %, for each of ``seeds``."""
     import torch
     import torchao.optim
 
@@ -435,6 +458,13 @@ def probe_gaps(steps: int, seeds: list[int]) -> list[dict]:
     makers["torchao AdamW8bit (dynamic map m / v, block 256)"] = lambda m: torchao.optim.AdamW8bit(
         m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])})
     )
+    makers["torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)"] = lambda m: torchao.optim.AdamW4bit(
+        m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])})
+    )
+    unknown = set(only or ()) - set(makers)
+    if unknown:
+        raise SystemExit(f"--only: unknown probe rows {sorted(unknown)}; rows: {list(makers)}")
+    makers = {k: v for k, v in makers.items() if not only or k in only or k == "torch AdamW fp32"}
     losses = {label: [probe_loss(make, steps, s) for s in seeds] for label, make in makers.items()}
     ref = losses["torch AdamW fp32"]
     return [
@@ -475,6 +505,11 @@ SPEED_OPTIMIZERS: dict[str, tuple[str, dict]] = {
     "torch AdamW (fused)": ("torch", {"fused": True}),
     "LowBitAdamW defaults (fused)": ("LowBitAdamW", {}),
     "LowBitAdamW defaults, batch_numel 64K (fused)": ("LowBitAdamW", {"batch_numel": 1 << 16}),
+    "LowBitAdamW bf16/bf16 (fused)": ("LowBitAdamW", {"exp_avg": "bf16", "exp_avg_sq": "bf16"}),
+    "LowBitAdamW 4-bit presets' e2m1 / int4 sqrt(v) (fused)": (
+        "LowBitAdamW",
+        {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128"},
+    ),
     "LowBitAdamW bf16/bf16, batch_numel 64K (fused)": (
         "LowBitAdamW",
         {"exp_avg": "bf16", "exp_avg_sq": "bf16", "batch_numel": 1 << 16},
@@ -613,7 +648,7 @@ def main() -> None:
         print(speed_table(results))
         return
     if args.probe:
-        rows = probe_gaps(args.probe, args.seeds)
+        rows = probe_gaps(args.probe, args.seeds, args.only)
         print(f"probe_loss, {args.probe} steps, seeds {args.seeds}, CPU, one process\n")
         print(probe_table(rows))
         print(json.dumps(rows))

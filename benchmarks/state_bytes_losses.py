@@ -44,7 +44,12 @@ SETTINGS: dict[str, tuple[str, str, dict]] = {
         "LowBitAdamW",
         {"exp_avg": "int8_block128", "exp_avg_sq": "e4m3_block128", **LEAN},
     ),
-    "LowBitAdamW int4/e2m1 block128, bf16 params SR (lean)": (
+    "LowBitAdamW e2m1/int4 block128, bf16 params SR (lean)": (
+        "bfloat16",
+        "LowBitAdamW",
+        {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128", **LEAN},
+    ),
+    "LowBitAdamW int4/e2m1 block128, bf16 params SR (lean before issue 40)": (
         "bfloat16",
         "LowBitAdamW",
         {"exp_avg": "int4_block128", "exp_avg_sq": "e2m1_block128", **LEAN},
