@@ -458,8 +458,8 @@ def probe_gaps(steps: int, seeds: list[int], only: list[str] | None = None) -> l
     makers["torchao AdamW8bit (dynamic map m / v, block 256)"] = lambda m: torchao.optim.AdamW8bit(
         m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])})
     )
-    makers["torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)"] = lambda m: torchao.optim.AdamW4bit(
-        m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])})
+    makers["torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)"] = lambda m: (
+        torchao.optim.AdamW4bit(m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])}))
     )
     unknown = set(only or ()) - set(makers)
     if unknown:

@@ -63,7 +63,9 @@ def seeds_table(rows: dict[str, dict[int, dict[int, float]]], steps: int, seeds:
         finals = [final(runs[s]) for s in seeds]
         per = ", ".join(f"{v:.4f}" for v in finals)
         gap = means[recipe] - means[ref]
-        lines.append(f"| {recipe} | {per} | {means[recipe]:.4f} | {max(finals) - min(finals):.4f} | {gap:+.4f} |")
+        lines.append(
+            f"| {recipe} | {per} | {means[recipe]:.4f} | {max(finals) - min(finals):.4f} | {gap:+.4f} |"
+        )
     return "\n".join(lines)
 
 
@@ -79,7 +81,9 @@ def main() -> None:
         for seed in seeds:
             loss = run_losses(recipe, seed, args.steps)
             rows.setdefault(recipe, {})[seed] = loss
-            print(f"{recipe} seed {seed}: {loss[1]:.4f} -> {loss[args.steps]:.4f}", file=sys.stderr, flush=True)
+            print(
+                f"{recipe} seed {seed}: {loss[1]:.4f} -> {loss[args.steps]:.4f}", file=sys.stderr, flush=True
+            )
     print(one_seed_table(rows, args.steps) if len(seeds) == 1 else seeds_table(rows, args.steps, seeds))
 
 

@@ -28,6 +28,8 @@ def test_the_digest_follows_every_py_file_and_the_stack(tmp_path, monkeypatch):
 
 def test_reading_it_imports_no_torch():
     # conftest reads it before the inductor cache folder is set, which must happen before torch._dynamo loads
-    code = "import sys; import low_bits_training.source as s; s.source_digest(); print('torch' in sys.modules)"
+    code = (
+        "import sys; import low_bits_training.source as s; s.source_digest(); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -25,7 +25,11 @@ FLOORS = {
     "nvfp4_1d_weights": (16.5, 14.5, 14.3),
     "nvfp4_4over6": (15.9, 14.2, 14.9),
     "nvfp4_te": (15.8, 14.0, 14.3),  # TE's scale arithmetic and signs: nvfp4's SQNR to 0.1 dB
-    "nvfp4_torchao": (15.8, 14.0, 14.3),  # torchao's arithmetic, 2^-6 floor, bf16 rotations: nvfp4's to 0.1 dB
+    "nvfp4_torchao": (
+        15.8,
+        14.0,
+        14.3,
+    ),  # torchao's arithmetic, 2^-6 floor, bf16 rotations: nvfp4's to 0.1 dB
     "fp8_block_te": (27.5, 27.5, 27.5),  # power-of-two block scales: 0.2-0.7 dB under deepseek_fp8
     "fp8_block_te_exact": (28.0, 27.5, 27.5),  # TE's encode-first scales: deepseek_fp8's SQNR to 0.01 dB
     "mxfp8_2d_weights": (27.5, 27.5, 27.5),

@@ -19,7 +19,9 @@ def _model(dtype: torch.dtype) -> nn.Sequential:
 def _opt(model: nn.Module, in_backward: bool, **kw) -> LowBitAdamW:
     names, params = zip(*model.named_parameters(), strict=True)
     group = {"params": list(params), "param_names": list(names)}
-    return LowBitAdamW([group], lr=1e-2, weight_decay=0.1, min_quantized_numel=0, in_backward=in_backward, **kw)
+    return LowBitAdamW(
+        [group], lr=1e-2, weight_decay=0.1, min_quantized_numel=0, in_backward=in_backward, **kw
+    )
 
 
 def _loss(model: nn.Module, k: int) -> torch.Tensor:
@@ -31,7 +33,10 @@ def _loss(model: nn.Module, k: int) -> torch.Tensor:
     ("dtype", "kw"),
     [
         (torch.float32, {}),
-        (torch.bfloat16, {"master_weights": "bf16", "master_rounding": "stochastic", "exp_avg": "int4_block128"}),
+        (
+            torch.bfloat16,
+            {"master_weights": "bf16", "master_rounding": "stochastic", "exp_avg": "int4_block128"},
+        ),
         (torch.float32, {"fused": False}),
     ],
     ids=["fp32-fused", "bf16-sr-fused", "fp32-eager"],

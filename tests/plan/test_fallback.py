@@ -40,9 +40,15 @@ EXPECTED = {  # recipe: (CPU, H100, B200, B200 without torchao's CUDA cast)
     "mxfp8_2d_weights": (NO_MODULE + "tile scaling (size 32, e8m0 scales)",) * 4,
     "fp8_rowwise_2d_weights": (NO_MODULE + "tile scaling (size 128, fp32 scales)",) * 4,
     **{r: (NVFP4 + OURS,) * 4 for r in ("nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights")},
-    "nvfp4_4over6": (NVFP4 + OURS.replace("'normal'), ", "'normal'), four_over_six 'mse' (torchao: 'off'), "),) * 4,
-    "nvfp4_te": (NVFP4 + "scale_min 'subnormal' (torchao: 'normal'), scale_underflow 'zero' (torchao: 'clamp'), "
-                 "scale_order 'te' (torchao: 'torchao'))",) * 4,
+    "nvfp4_4over6": (
+        NVFP4 + OURS.replace("'normal'), ", "'normal'), four_over_six 'mse' (torchao: 'off'), "),
+    )
+    * 4,
+    "nvfp4_te": (
+        NVFP4 + "scale_min 'subnormal' (torchao: 'normal'), scale_underflow 'zero' (torchao: 'clamp'), "
+        "scale_order 'te' (torchao: 'torchao'))",
+    )
+    * 4,
     "nvfp4_torchao": (NVFP4_SM100 + "CPU", NVFP4_SM100 + "CUDA SM90", None, None),  # torchao's NVFP4Linear
 }
 
@@ -110,7 +116,10 @@ def test_the_plan_table_says_why_each_group_of_layers_falls_back():
     shapes = dict.fromkeys(plans, SHAPE) | {"layers.0.qk": LayerShape(64, 64, kind="qk")}
     rows = fallbacks(plans, shapes, H100, "auto")
     product = "emulated: torchao has no module for attention products (Q K^T, P V)"
-    assert rows == [(NVFP4 + OURS, ["layers.[1].v"]), (product, ["layers.[0].qk"])]  # rowwise runs torchao on SM90
+    assert rows == [
+        (NVFP4 + OURS, ["layers.[1].v"]),
+        (product, ["layers.[0].qk"]),
+    ]  # rowwise runs torchao on SM90
     rows = fallbacks(plans, shapes, CPU, "auto")
     assert rows[0] == (FLOAT8_SM89 + "CPU", ["layers.[0-2].w"])
     assert format_fallbacks(rows, CPU, "auto").splitlines() == [
@@ -136,9 +145,13 @@ def test_backend_torchao_refuses_a_plan_torchao_runs_none_of(recipe):
     plan = LinearPlan.from_roles(RECIPES[recipe])
     runs = recipe == "bf16" or fallback_reason(plan, SHAPE, CPU, "torchao").startswith("torchao emulated")
     cfg = QuantizeConfig(recipe=recipe, backend="torchao")
-    if recipe == "nvfp4_torchao":  # torchao's NVFP4Linear has no emulated mode: a CPU emulates it (equal numbers)
+    if (
+        recipe == "nvfp4_torchao"
+    ):  # torchao's NVFP4Linear has no emulated mode: a CPU emulates it (equal numbers)
         assert {p.backends for p in resolve_plan(cfg, layers, CPU).values()} == {("emulate",) * 3}
-        with pytest.raises(ConfigError, match=r"\(layers.0.w: emulated: NVFP4Linear kernels need CUDA SM100\+, "):
+        with pytest.raises(
+            ConfigError, match=r"\(layers.0.w: emulated: NVFP4Linear kernels need CUDA SM100\+, "
+        ):
             resolve_plan(cfg, layers, H100)  # a GPU without the kernel is refused as for any recipe
         return
     if runs:

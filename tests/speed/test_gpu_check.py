@@ -196,7 +196,10 @@ def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
     no_triton = hardware.Hardware("cuda", (10, 0), triton=False)
     monkeypatch.setattr(parity, "detect_hardware", lambda: no_triton)
     rows = {r["recipe"]: r for r in parity.torchao_rows(runner.Context("cuda", REPO, 0.0))}
-    assert rows["nvfp4_torchao"]["detail"] == "skip: NVFP4Linear kernels are Triton, and Triton is not available here"
+    assert (
+        rows["nvfp4_torchao"]["detail"]
+        == "skip: NVFP4Linear kernels are Triton, and Triton is not available here"
+    )
 
 
 class _Scaled(torch.nn.Module):

@@ -99,11 +99,20 @@ def _parts(line: str) -> dict[str, float]:
 
 
 def test_the_report_plans_the_peak_a_rank_on_its_ranks(capsys, tmp_path):
-    base = ["--config-file", "train_configs/debug_model.toml", "--gpu", "H100", "--dump_folder", str(tmp_path)]
+    base = [
+        "--config-file",
+        "train_configs/debug_model.toml",
+        "--gpu",
+        "H100",
+        "--dump_folder",
+        str(tmp_path),
+    ]
     lines = {}
     for dp in (1, 8):
         assert cli.main([*base, "--dp", str(dp), "--training.local_batch_size", "2"]) == 0
-        lines[dp] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("peak memory a rank"))
+        lines[dp] = next(
+            x for x in capsys.readouterr().out.splitlines() if x.startswith("peak memory a rank")
+        )
     assert lines[1].startswith("peak memory a rank, on 1 ranks: ") and "on 8 ranks: " in lines[8]
     one, eight = _parts(lines[1]), _parts(lines[8])
     # FSDP2 over 8 ranks keeps an eighth of the AdamW states and parameters a rank (0.05 GiB -> 0.01)

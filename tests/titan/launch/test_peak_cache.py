@@ -16,7 +16,10 @@ def _key(*flags: str) -> str:
 def test_the_key_leaves_out_only_what_the_planner_never_reads():
     base = _key()
     assert _key("--dump_folder", "/elsewhere", "--training.steps", "7", "--debug.seed", "3") == base
-    assert _key("--metrics.log_freq", "1", "--checkpoint.interval", "3", "--lr_scheduler.warmup_steps", "1") == base
+    assert (
+        _key("--metrics.log_freq", "1", "--checkpoint.interval", "3", "--lr_scheduler.warmup_steps", "1")
+        == base
+    )
     assert _key("--training.local_batch_size", "4") != base
     assert _key("--activation_checkpoint", "full") != base
     assert _key("--quantize.recipe", "mxfp8") != base

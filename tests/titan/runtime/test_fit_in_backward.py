@@ -37,4 +37,6 @@ def test_not_offered_where_the_run_cannot_take_it():
     assert OFFER not in dict(_candidates(lean, 2))  # two ranks reduce the gradients after the backward
     assert OFFER not in dict(_candidates(load_config(LEAN, ["--quantize.autopilot.enable"]), 1))
     assert OFFER not in dict(_candidates(load_config(LEAN, ["--training.global_batch_size", "16"]), 1))
-    assert not any("in_backward" in c for c in dict(_candidates(load_config(DEBUG_TOML, []), 1)))  # torch AdamW
+    assert not any(
+        "in_backward" in c for c in dict(_candidates(load_config(DEBUG_TOML, []), 1))
+    )  # torch AdamW

@@ -63,5 +63,7 @@ def test_a_run_it_cannot_serve_is_one_line(tmp_path, args, nproc, expect):
     assert run.returncode == 2, run.log[-3000:]
     lines = [ln for ln in run.log.splitlines() if "in_backward = true" in ln]
     assert len(lines) == 1 and expect in lines[0], run.log[-3000:]
-    assert "optimizer.param_groups[0].optimizer_kwargs.in_backward = true: updates in the backward" in lines[0]
+    assert (
+        "optimizer.param_groups[0].optimizer_kwargs.in_backward = true: updates in the backward" in lines[0]
+    )
     assert "step:" not in run.log

@@ -84,7 +84,10 @@ def test_the_refusal_names_the_peak_its_largest_parts_and_the_change_that_fits()
         "--activation_checkpoint selective plans 1.50 GiB (or set memory.limit_gib or --memory.no-plan)"
     )
     nothing = refusal(plan, 2 * gib, "memory.limit_gib = 2", [("--activation_checkpoint full", plan)])
-    assert "no change tried fits (activation checkpointing, updates in the backward" in nothing and "\n" not in nothing
+    assert (
+        "no change tried fits (activation checkpointing, updates in the backward" in nothing
+        and "\n" not in nothing
+    )
 
 
 CASES = {
