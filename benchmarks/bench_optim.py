@@ -334,16 +334,15 @@ def direction_errors(steps: int) -> list[dict]:
     def direction(m, v, k):
         return (m / (1 - b1**k)) / ((v / (1 - b2**k)).sqrt() + eps)
 
-    def torchao_q(x, signed):
-        qmap = torch.tensor(create_dynamic_map(signed=signed), dtype=torch.float32)
-        scaled, scale = scale_tensor(x, 256)
-        return dequant_with_qmap(quantize_8bit_with_qmap(scaled, qmap), qmap, scale)
+    def torchao_peer(qmap_m, qmap_v, block, quantize):
+        """(m, v) -> (m, v) through torchao's ``quantize`` with these maps, in blocks of ``block``."""
 
-    def torchao_q4(x, signed):  # torchao's AdamW4bit maps (subclass_4bit.get_qmap_signed / _unsigned)
-        qmap = create_dynamic_map(True, 3, 4) if signed else torch.linspace(0, 1, 17)[1:].tolist()
-        qmap = torch.tensor(qmap, dtype=torch.float32)
-        scaled, scale = scale_tensor(x, 128)
-        return dequant_with_qmap(quantize_4bit_with_qmap(scaled, qmap), qmap, scale).view_as(x)
+        def q(x, qmap):
+            qmap = torch.tensor(qmap, dtype=torch.float32)
+            scaled, scale = scale_tensor(x, block)
+            return dequant_with_qmap(quantize(scaled, qmap), qmap, scale).view_as(x)
+
+        return lambda m, v: (q(m, qmap_m), q(v, qmap_v))
 
     def row(label, quantize, floor):
         num = den = flushed = n = 0.0
@@ -363,10 +362,16 @@ def direction_errors(steps: int) -> list[dict]:
             StateCodec(specs["exp_avg"]), StateCodec(specs["exp_avg_sq"]), o.sqrt_exp_avg_sq
         )
         rows += [row(label, q, True), row(label, q, False)]
-    ao = lambda m, v: (torchao_q(m, True), torchao_q(v, False))  # noqa: E731
-    rows.append(row("torchao AdamW8bit (dynamic map m / v, block 256)", ao, False))
-    ao4 = lambda m, v: (torchao_q4(m, True), torchao_q4(v, False))  # noqa: E731
-    rows.append(row("torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)", ao4, False))
+    peers = {  # label: (m's map, v's map, block, quantizer) of torchao's AdamW8bit / AdamW4bit
+        "torchao AdamW8bit (dynamic map m / v, block 256)": (
+            create_dynamic_map(True), create_dynamic_map(False), 256, quantize_8bit_with_qmap
+        ),
+        "torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)": (
+            create_dynamic_map(True, 3, 4), torch.linspace(0, 1, 17)[1:].tolist(), 128,
+            quantize_4bit_with_qmap,
+        ),
+    }  # fmt: skip
+    rows += [row(label, torchao_peer(*peer), False) for label, peer in peers.items()]
     return rows
 
 
@@ -455,12 +460,12 @@ def probe_gaps(steps: int, seeds: list[int], only: list[str] | None = None) -> l
 
     makers = {"torch AdamW fp32": lambda m: torch.optim.AdamW(m.parameters(), **kw)}
     makers |= {label: lowbit(extra) for label, extra in PROBE_FORMATS.items()}
-    makers["torchao AdamW8bit (dynamic map m / v, block 256)"] = lambda m: torchao.optim.AdamW8bit(
-        m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])})
-    )
-    makers["torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)"] = lambda m: (
-        torchao.optim.AdamW4bit(m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])}))
-    )
+    for label, name in (
+        ("torchao AdamW8bit (dynamic map m / v, block 256)", "AdamW8bit"),
+        ("torchao AdamW4bit (dynamic map m, linear no-zero v, block 128)", "AdamW4bit"),
+    ):
+        cls = getattr(torchao.optim, name)
+        makers[label] = lambda m, cls=cls: cls(m.parameters(), **(kw | {"lr": torch.tensor(kw["lr"])}))
     unknown = set(only or ()) - set(makers)
     if unknown:
         raise SystemExit(f"--only: unknown probe rows {sorted(unknown)}; rows: {list(makers)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import low_bits_training.optim.base as optim_base
 from low_bits_training.formats import decode, dequantize, encode, get_format, quantize
 from low_bits_training.optim import LowBitAdamW, LowBitSGD, StateCodec, parse_state_format
 from low_bits_training.optim.codec import grid_codes
@@ -189,11 +190,9 @@ def test_first_step_allocates_states_plus_one_calls_chunks(fused):
 def test_a_call_runs_call_chunks_chunks_unless_they_draw_random_bits(monkeypatch, exp_avg, rows):
     """9 chunks of 16 rows (2048 elements in rows of 128): nearest states run 4 chunks a call (3 calls, the
     same bits, as the equality test above holds), stochastic ones a call per chunk (each its own key row)."""
-    import low_bits_training.optim.base as base
-
     calls = []
     monkeypatch.setattr(
-        base, "run_fused", lambda spec, tensors, hyper, keys: calls.append(tensors[0].shape[0])
+        optim_base, "run_fused", lambda spec, tensors, hyper, keys: calls.append(tensors[0].shape[0])
     )
     p = torch.randn(48, 384, requires_grad=True)
     p.grad = torch.randn_like(p)
