@@ -35,8 +35,9 @@ class LowBitOptimizer(Optimizer):
     other (equally good) bits."""
     call_chunks: int = 4
     """Fused update of a parameter that draws no random bits: up to this many consecutive chunks per compiled
-    call (the same bits: rows are independent and no stream key tells chunks apart). A call costs ~0.25 ms on
-    CPU beyond its kernel; the temporaries stay a few fp32 copies of ``call_chunks`` chunks (4 MiB each)."""
+    call (the same bits: rows are independent and no stream key tells chunks apart). A call costs ~0.1-0.25
+    ms on CPU beyond its kernel; the temporaries stay a few fp32 copies of ``call_chunks`` chunks (4 MiB
+    each)."""
 
     def __init__(self, params, **defaults: Any) -> None:
         super().__init__(params, defaults)

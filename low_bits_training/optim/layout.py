@@ -11,6 +11,7 @@ parameter's size. ``KernelSpec`` is the hashable part the chunk update is specia
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ class KernelSpec:
     """Uses that draw random bits, in the order of the key tensor's columns."""
     flags: tuple[str, ...] = ()
     """Optimizer switches that change the code: "sqrt_v", "v_floor" (AdamW), "nesterov", "decay" (SGD)."""
+
+    def __post_init__(self) -> None:
+        fields = (self.kind, self.states, self.master, self.master_rounding, self.purposes, self.flags)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        # computed once: the fused step looks its spec up on every call (hashing the nested specs took ~10 us)
+        return self._hash
 
     def codec(self, name: str) -> StateCodec:
         return dict(self.states)[name]
@@ -118,12 +127,18 @@ class ParamLayout:
             raise ValueError(
                 f"a low-bit optimizer needs contiguous parameter shards; got strides {w.stride()}"
             )
-        out = [w.view(self.rows, -1), local(p.grad).reshape(self.rows, -1)]
-        for name, codec in self.spec.states:
-            out += [local(state[name + s]).view(self.rows, -1) for s in codec.dtypes()]
-        if self.spec.master_rounding == "kahan":
-            out.append(local(state["master_comp"]).view(self.rows, -1))
-        return out
+        rows = self.rows
+        return [
+            w.view(rows, -1),
+            local(p.grad).reshape(rows, -1),
+            *(local(state[k]).view(rows, -1) for k in self.parts),
+        ]
+
+    @functools.cached_property
+    def parts(self) -> tuple[str, ...]:
+        """The state keys of the stored parts, in kernel order (the compensation last, with Kahan)."""
+        keys = tuple(name + s for name, codec in self.spec.states for s in codec.dtypes())
+        return keys + ("master_comp",) * (self.spec.master_rounding == "kahan")
 
 
 def build_layout(p: torch.Tensor, opts, kind: str, flags: Callable, chunk_numel: int) -> ParamLayout:

@@ -86,6 +86,23 @@ def test_fused_update_equals_eager_bit_for_bit(name):
     assert len(eager.layout(eager_ps[0], eager.options(eager.param_groups[0])).chunks) > 2
 
 
+def test_one_spec_on_other_dtypes_and_row_counts_keeps_eager_bits():
+    """``optim.fused.kept_guards`` drops dynamo's guards on the frozen spec only: the same spec on fp32
+    parameters, then bf16 ones (a new entry, found by the tensor guards), then one of a single row (dynamo
+    specialises a size-1 dim) gives the eager reference's bits each time."""
+    kw = dict(exp_avg="int8_block128", exp_avg_sq="int8_block128")
+    for dtype, shape in ((torch.float32, (48, 384)), (torch.bfloat16, (48, 384)), (torch.float32, (1, 128))):
+        ps = {}
+        for fused in (False, True):
+            g = torch.Generator().manual_seed(0)
+            ps[fused] = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+            opt = _opt(LowBitAdamW, [ps[fused]], fused, kw)
+            for _ in range(2):
+                ps[fused].grad = (torch.randn(shape, generator=g) * 1e-2).to(dtype)
+                opt.step()
+        assert ps[True].dtype == dtype and torch.equal(ps[True], ps[False]), (dtype, shape)
+
+
 def _codes_of_every_value(fmt: str) -> torch.Tensor:
     f = get_format(fmt)
     y = decode(torch.arange(2**f.bits, dtype=torch.uint8), f)  # every grid value, NaN / inf / -0 included
