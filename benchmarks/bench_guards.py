@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optim import SPEED_MIXES  # noqa: E402
+from bench_optim import SPEED_MIXES, _speed_opt  # noqa: E402
 
-from low_bits_training.optim import LowBitAdamW, fused  # noqa: E402
+from low_bits_training.optim import fused  # noqa: E402
 
 _EVERY_GUARD: dict = {}
 
@@ -53,13 +53,8 @@ def main() -> int:
         params = [t.clone().requires_grad_() for t in init]
         for p, gr in zip(params, grads, strict=True):
             p.grad = gr
-        kw = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
-        if label.startswith("torch"):
-            opt = torch.optim.AdamW(params, foreach=True, **kw)
-        else:
-            opt = LowBitAdamW(
-                [{"params": params, "param_names": [f"p{i}" for i in range(len(params))]}], **kw
-            )
+        kind, extra = ("torch", {"foreach": True}) if label.startswith("torch") else ("LowBitAdamW", {})
+        opt = _speed_opt(kind, extra, params)  # bench_optim's hyperparameters and parameter names
         runs[label] = (opt, params, _every_guard if "every" in label else kept, [])
     for k in range(3 + args.steps):
         for opt, _, compiled, times in runs.values():
