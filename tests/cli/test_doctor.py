@@ -526,6 +526,14 @@ def test_fit_ranks_the_changes_that_fit_first(clean_env, capsys):
         ("`--training.local_batch_size 4 --training.global_batch_size 8`", "0.28", "yes |"),
         ("`--training.local_batch_size 2 --training.global_batch_size 8`", "0.19", "yes |"),
         ("`--training.local_batch_size 1 --training.global_batch_size 8`", "0.14", "yes |"),
+        ('`[[quantize.saved]] modules = ["layers.*"], format = "e4m3"`', "0.28", "no |"),
+        (
+            '`exp_avg = "e2m1_block128", exp_avg_sq = "int4_block128" in optimizer.param_groups[0] with '
+            'optimizer_name = "LowBitAdamW"`',
+            "0.39",
+            "no |",
+        ),
+        ('`optimizer_name = "LowBitAdamW" in optimizer.param_groups[0] (int8 moments)`', "0.40", "no |"),
         ("`(as configured)`", "0.43", "no |"),
     ]
 

@@ -50,7 +50,10 @@ def refusal(plan: PeakPlan, limit: int, source: str, fits: list) -> str:
     if fits and fits[-1][1].peak <= FREE_FRACTION * limit:
         changes, better = fits[-1]
         return f"{line}; {changes} plans {gib(better.peak)} GiB (or set memory.limit_gib or --memory.no-plan)"
-    return f"{line}; no change tried fits (activation checkpointing, updates in the backward where the run allows them, a smaller local batch): shard over more ranks"
+    tried = "; ".join(changes for changes, _ in fits) or "none applies"
+    return (
+        f"{line}; no change tried fits ({tried}; lbt-doctor --fit plans every change): shard over more ranks"
+    )
 
 
 @dataclass

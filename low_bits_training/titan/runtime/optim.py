@@ -96,10 +96,17 @@ def adapt_optimizer_config(config) -> None:
         return
     if names & set(TORCHAO_OPTIMIZERS):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(config.dump_folder, "inductor_cache"))
-    old = config.optimizer
-    if not isinstance(old, LowBitOptimizersContainer.Config):
-        fields = {f.name: getattr(old, f.name) for f in dataclasses.fields(old) if f.init}
-        config.optimizer = LowBitOptimizersContainer.Config(**fields)
+    config.optimizer = container_config(config.optimizer)
+
+
+def container_config(old):
+    """torchtitan's optimizer config ``old`` as ``LowBitOptimizersContainer.Config`` (the same field values and
+    objects; ``old`` itself if it is one): the container that builds our optimizers."""
+    if isinstance(old, LowBitOptimizersContainer.Config):
+        return old
+    return LowBitOptimizersContainer.Config(
+        **{f.name: getattr(old, f.name) for f in dataclasses.fields(old) if f.init}
+    )
 
 
 def in_backward_groups(config, on: bool = True) -> list[int]:

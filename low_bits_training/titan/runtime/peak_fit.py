@@ -14,18 +14,24 @@ from typing import Any
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from low_bits_training.config.saved import SavedRule
 from low_bits_training.errors import ConfigError
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters, repoint_at_cpu
-from low_bits_training.titan.runtime.optim import check_in_backward, in_backward_groups
+from low_bits_training.titan.runtime.optim import check_in_backward, container_config, in_backward_groups
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
+from low_bits_training.titan.targets import saved
+from low_bits_training.titan.targets.registry import layer_shapes
 
 
 def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, Any]]]:
     """``[(the change as a user makes it, {config attribute: value})]`` of the changes ``cheapest_fit`` tries,
-    cheapest first: selective activation checkpointing (recomputes the cheap ops; where no AC runs), full
-    (recomputes each block), the low-bit optimizers' updates in the backward (no gradients held; one rank, no
-    clipping: only where ``check_in_backward`` allows it), then the local batch halved while above 1 (the
-    global batch kept by gradient accumulation)."""
+    cheapest first. First those that keep the numbers (up to the order of sums): selective activation
+    checkpointing (recomputes the cheap ops; where no AC runs), full (recomputes each block), the low-bit
+    optimizers' updates in the backward (no gradients held; one rank, no clipping: only where
+    ``check_in_backward`` allows it). Then those that change formats, each with its loss cost measured in
+    docs/memory.md: the blocks' saved activations in e4m3 (where no ``[[quantize.saved]]`` rule is set), smaller
+    AdamW states (``_state_formats``). Last the local batch halved while above 1 (the global batch kept by
+    gradient accumulation: the same numbers, at a fraction of the device's throughput)."""
     out = []
     ac = config.activation_checkpoint
     if ac is None:
@@ -33,6 +39,8 @@ def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, A
     if not isinstance(ac, FullAC.Config):
         out.append(("--activation_checkpoint full", {"activation_checkpoint": FullAC.Config()}))
     out += _in_backward(config, world_size)
+    out += _saved_e4m3(config)
+    out += _state_formats(config)
     t = config.training
     keep = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size
     batch = t.local_batch_size
@@ -41,6 +49,55 @@ def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, A
         flags = f"--training.local_batch_size {batch} --training.global_batch_size {keep}"
         out.append((flags, {"training.local_batch_size": batch, "training.global_batch_size": keep}))
     return out
+
+
+SAVED_E4M3 = '[[quantize.saved]] modules = ["layers.*"], format = "e4m3"'
+"""The saved-activation rule offered: what the lean preset sets (each block's saved tensors in e4m3, one scale
+per row; docs/memory.md measures its bytes and loss)."""
+FOUR_BIT = {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128"}
+"""The 4-bit presets' AdamW moments (docs/memory.md: their 200-step loss gap and bytes)."""
+
+
+def _saved_e4m3(config: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The ``SAVED_E4M3`` rule, where no ``[[quantize.saved]]`` rule is set and the run takes it (not inside
+    compiled blocks): the rule and the spec's ``parallelize_fn`` wrapped with its hooks, as the launcher's
+    ``apply_run`` would have wrapped it (the hooks are installed from the resolved formats, not the config)."""
+    if config.quantize.saved:
+        return []
+    rules = [SavedRule(modules=["layers.*"], format="e4m3")]
+    try:
+        formats = saved.resolve(config, layer_shapes(config), SimpleNamespace(saved=rules))
+    except ConfigError:
+        return []
+    hooked = saved.with_saved_hooks(config.model_spec.parallelize_fn, config, formats)
+    return [(SAVED_E4M3, {"quantize.saved": rules, "model_spec.parallelize_fn": hooked})] if formats else []
+
+
+def _state_formats(config: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Smaller AdamW states, in two steps: torch's AdamW groups as LowBitAdamW with its defaults (int8 moments:
+    2 bytes a parameter where torch's fp32 ones take 8), then every AdamW group's moments in the 4-bit
+    presets' formats (1 byte a parameter); each offered where some group would change."""
+    groups = config.optimizer.param_groups
+    torch_adamw = [i for i, pg in enumerate(groups) if pg.optimizer_name == "AdamW"]
+    adamw = [i for i, pg in enumerate(groups) if pg.optimizer_name in ("AdamW", "LowBitAdamW")]
+    out = []
+    name: dict[str, Any] = {"optimizer": container_config(config.optimizer)}  # first: the groups are shared
+    name |= {f"optimizer.param_groups.{i}.optimizer_name": "LowBitAdamW" for i in torch_adamw}
+    if torch_adamw:
+        out.append((f'optimizer_name = "LowBitAdamW" in {_where(torch_adamw)} (int8 moments)', name))
+    four = [i for i in adamw if any(groups[i].optimizer_kwargs.get(k) != v for k, v in FOUR_BIT.items())]
+    if four:
+        kwargs = ", ".join(f'{k} = "{v}"' for k, v in FOUR_BIT.items())
+        changes = name | {
+            f"optimizer.param_groups.{i}.optimizer_kwargs.{k}": v for i in four for k, v in FOUR_BIT.items()
+        }
+        where = _where(four) if not torch_adamw else f'{_where(four)} with optimizer_name = "LowBitAdamW"'
+        out.append((f"{kwargs} in {where}", changes))
+    return out
+
+
+def _where(groups: list[int]) -> str:
+    return ", ".join(f"optimizer.param_groups[{i}]" for i in groups)
 
 
 def _in_backward(config: Any, world_size: int) -> list[tuple[str, dict[str, Any]]]:
@@ -58,8 +115,9 @@ def _in_backward(config: Any, world_size: int) -> list[tuple[str, dict[str, Any]
             check_in_backward(config, one_rank)
         except ConfigError:  # accumulation, the autopilot, NaN skipping: not a change to offer
             return []
-    where = ", ".join(f"optimizer.param_groups[{i}]" for i in groups)
-    return [(f"optimizer_kwargs.in_backward = true in {where} with --training.max_norm inf", changes)]
+    return [
+        (f"optimizer_kwargs.in_backward = true in {_where(groups)} with --training.max_norm inf", changes)
+    ]
 
 
 _MISSING = object()
@@ -104,10 +162,10 @@ def cheapest_fit(
     limit: int,
     device_type: str,
     model_of: Callable[[Any], Any],
-    tries: int = 4,
+    tries: int | None = 4,
     every: bool = False,
 ) -> list[tuple[str, PeakPlan]]:
-    """The changes of ``_candidates`` planned in order (at most ``tries``), until one brings the planned peak
+    """The changes of ``_candidates`` planned in order (at most ``tries``; None: all), until one brings the planned peak
     under ``limit`` bytes (``every``: all of them): ``[(flags, PeakPlan)]`` of those planned, in that order."""
     out = []
     for flags, changes in _candidates(config, world_size)[:tries]:
@@ -126,7 +184,7 @@ def ranked(
     ``limit`` bytes first in ``_candidates``' order (cheapest first), then the rest by planned peak:
     ``[(flags or "(as configured)", PeakPlan, fits)]``."""
     rows = [("(as configured)", plan_peak(config, world_size, device_type, model_of))]
-    rows += cheapest_fit(config, world_size, limit, device_type, model_of, tries=8, every=True)
+    rows += cheapest_fit(config, world_size, limit, device_type, model_of, tries=None, every=True)
     fits = [(f, p, True) for f, p in rows if p.peak <= limit]
     over = sorted(((f, p, False) for f, p in rows if p.peak > limit), key=lambda r: r[1].peak)
     return fits + over

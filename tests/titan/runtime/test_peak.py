@@ -85,7 +85,7 @@ def test_the_refusal_names_the_peak_its_largest_parts_and_the_change_that_fits()
     )
     nothing = refusal(plan, 2 * gib, "memory.limit_gib = 2", [("--activation_checkpoint full", plan)])
     assert (
-        "no change tried fits (activation checkpointing, updates in the backward" in nothing
+        "no change tried fits (--activation_checkpoint full; lbt-doctor --fit plans every change)" in nothing
         and "\n" not in nothing
     )
 
