@@ -9,7 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from .codec import StateCodec
-from .dist import local, wrap_like
+from .dist import local, shard_group, wrap_like
 from .fused import ChunkBatch, run_fused
 from .kernels import KERNELS
 from .layout import ParamLayout, build_layout
@@ -47,6 +47,7 @@ class LowBitOptimizer(Optimizer):
         """False: the ``in_backward`` hooks only free each gradient (the peak planner counts that, with no values
         to update)."""
         self._grad_sq = torch.zeros((), dtype=torch.float64)
+        self._grad_group = None  # FSDP2: the gradients' shard group, over which the squared norms add up
         for gi, group in enumerate(self.param_groups):
             if self.options(group).in_backward:  # validated here too, before any step
                 for i, p in enumerate(group["params"]):
@@ -59,8 +60,14 @@ class LowBitOptimizer(Optimizer):
 
     def grad_norm_in_backward(self) -> torch.Tensor:
         """The 2-norm of the gradients the ``in_backward`` hooks used since the last ``zero_grad`` (fp64, on
-        their device): what gradient clipping would have measured, as torchtitan logs it."""
-        return self._grad_sq.sqrt()
+        their device): what gradient clipping would have measured, as torchtitan logs it. Under FSDP2 each rank
+        holds its shards' part: a collective (every rank of the shard group calls it, as torchtitan's logging
+        does)."""
+        sq = self._grad_sq
+        if self._grad_group is not None:
+            sq = sq.clone()
+            torch.distributed.all_reduce(sq, group=self._grad_group)
+        return sq.sqrt()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, and the ``in_backward`` gradient norm starts again."""
@@ -144,6 +151,10 @@ class LowBitOptimizer(Optimizer):
         """``in_backward``: update ``p`` (parameter ``i`` of group ``gi``) as ``step()`` would, then free its
         gradient."""
         g = local(p.grad)  # its norm in one reduction, accumulated in fp64: no fp32 copy of the gradient
+        if (
+            self._grad_group is None
+        ):  # FSDP2 calls this hook on each sharded parameter after its reduce-scatter
+            self._grad_group = shard_group(p.grad)
         self._grad_sq = self._grad_sq.to(g.device) + torch.linalg.vector_norm(g, dtype=torch.float64).square()
         if self.update_in_backward:
             group = self.param_groups[gi]

@@ -18,6 +18,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def shard_group(t: torch.Tensor):
+    """The process group over which the local pieces of ``t`` add up to the whole: its mesh's group when ``t``
+    is a DTensor sharded on a 1-D mesh (FSDP2's gradients), else None (a plain tensor, or one replicated)."""
+    if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and any(pl.is_shard() for pl in t.placements):
+        return t.device_mesh.get_group()
+    return None
+
+
 def global_offset(p: torch.Tensor) -> tuple[int, ...]:
     """Global index of the first element of this rank's shard of ``p`` (zeros for a plain tensor)."""
     if not isinstance(p, DTensor):

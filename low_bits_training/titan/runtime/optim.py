@@ -118,8 +118,9 @@ def in_backward_groups(config, on: bool = True) -> list[int]:
 
 def check_in_backward(config, layout) -> None:
     """A group with ``optimizer_kwargs.in_backward = true`` updates each parameter as its gradient completes in
-    the backward and frees it (``optim.base``): that gradient must be the step's whole gradient, and nothing
-    after the backward may need the gradients or undo the update.
+    the backward and frees it (``optim.base``; under FSDP2 each shard, once its reduce-scatter has run): that
+    gradient must be the step's whole gradient, and nothing after the backward may need the gradients or undo
+    the update.
 
     Args:
         config: the resolved config.
@@ -133,9 +134,9 @@ def check_in_backward(config, layout) -> None:
         return
     where = f"optimizer.param_groups[{groups[0]}].optimizer_kwargs.in_backward = true"
     t = config.training
-    degrees = {"data_parallel_replicate_degree": layout.dp_replicate, "data_parallel_shard_degree": layout.dp_shard,
-               "context_parallel_degree": layout.cp, "tensor_parallel_degree": layout.tp,
-               "pipeline_parallel_degree": layout.pp}  # fmt: skip
+    # FSDP2 (data_parallel_shard_degree) calls the hooks on each sharded parameter after its reduce-scatter
+    degrees = {"data_parallel_replicate_degree": layout.dp_replicate, "context_parallel_degree": layout.cp,
+               "tensor_parallel_degree": layout.tp, "pipeline_parallel_degree": layout.pp}  # fmt: skip
     conflicts = [f"parallelism.{k} = {v} (the gradients are reduced or split after the backward)"
                  for k, v in degrees.items() if v > 1]  # fmt: skip
     if t.max_norm != float("inf"):

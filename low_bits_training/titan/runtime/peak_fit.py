@@ -27,7 +27,7 @@ def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, A
     """``[(the change as a user makes it, {config attribute: value})]`` of the changes ``cheapest_fit`` tries,
     cheapest first. First those that keep the numbers (up to the order of sums): selective activation
     checkpointing (recomputes the cheap ops; where no AC runs), full (recomputes each block), the low-bit
-    optimizers' updates in the backward (no gradients held; one rank, no clipping: only where
+    optimizers' updates in the backward (no gradients held; one rank or FSDP2, no clipping: only where
     ``check_in_backward`` allows it). Then those that change formats, each with its loss cost measured in
     docs/memory.md: the blocks' saved activations in e4m3 (where no ``[[quantize.saved]]`` rule is set), smaller
     AdamW states (``_state_formats``). Last the local batch halved while above 1 (the global batch kept by
@@ -101,18 +101,21 @@ def _where(groups: list[int]) -> str:
 
 
 def _in_backward(config: Any, world_size: int) -> list[tuple[str, dict[str, Any]]]:
-    """The change to ``in_backward`` of every low-bit optimizer group without it, if the run allows it."""
+    """The change to ``in_backward`` of every low-bit optimizer group without it, if the run allows it (one
+    rank, or FSDP2 alone over ``world_size`` ranks)."""
     groups = in_backward_groups(config, on=False)
-    if not groups or world_size != 1:
+    p = config.parallelism
+    others = (p.data_parallel_replicate_degree, p.context_parallel_degree, p.tensor_parallel_degree)
+    if not groups or max(*others, p.pipeline_parallel_degree) > 1:
         return []
     changes: dict[str, Any] = {
         f"optimizer.param_groups.{i}.optimizer_kwargs.in_backward": True for i in groups
     }
     changes["training.max_norm"] = math.inf
-    one_rank = SimpleNamespace(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, data_ranks=1)
+    fsdp = SimpleNamespace(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, data_ranks=world_size)
     with _changed(config, changes):
         try:
-            check_in_backward(config, one_rank)
+            check_in_backward(config, fsdp)
         except ConfigError:  # accumulation, the autopilot, NaN skipping: not a change to offer
             return []
     return [

@@ -15,7 +15,7 @@ LEAN = REPO / "train_configs" / "debug_lean.toml"
 OFFER = "optimizer_kwargs.in_backward = true in optimizer.param_groups[0] with --training.max_norm inf"
 
 
-def test_offered_after_ac_and_before_the_batch_on_one_rank_and_undone_after_planning():
+def test_offered_after_ac_and_before_the_batch_and_undone_after_planning():
     config = load_config(LEAN, ["--training.local_batch_size", "4"])
     changes = dict(_candidates(config, 1))
     assert list(changes) == [
@@ -34,7 +34,9 @@ def test_offered_after_ac_and_before_the_batch_on_one_rank_and_undone_after_plan
 
 def test_not_offered_where_the_run_cannot_take_it():
     lean = load_config(LEAN, [])
-    assert OFFER not in dict(_candidates(lean, 2))  # two ranks reduce the gradients after the backward
+    assert OFFER in dict(_candidates(lean, 2))  # FSDP2 runs the hooks on each shard after its reduce-scatter
+    replicated = load_config(LEAN, ["--parallelism.data_parallel_replicate_degree", "2"])
+    assert OFFER not in dict(_candidates(replicated, 2))  # DDP reduces the gradients after the backward
     assert OFFER not in dict(_candidates(load_config(LEAN, ["--quantize.autopilot.enable"]), 1))
     assert OFFER not in dict(_candidates(load_config(LEAN, ["--training.global_batch_size", "16"]), 1))
     assert not any(
