@@ -4,6 +4,7 @@ the planning run in a forked child (the launcher's ranks are forked after it).""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import multiprocessing
 import traceback
@@ -20,7 +21,7 @@ from low_bits_training.titan.platform.cpu import needs_cpu_adapters, repoint_at_
 from low_bits_training.titan.runtime.optim import check_in_backward, container_config, in_backward_groups
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
 from low_bits_training.titan.targets import saved
-from low_bits_training.titan.targets.registry import layer_shapes
+from low_bits_training.titan.targets.registry import resolve_run
 
 
 def _candidates(config: Any, world_size: int = 1) -> list[tuple[str, dict[str, Any]]]:
@@ -60,17 +61,23 @@ FOUR_BIT = {"exp_avg": "e2m1_block128", "exp_avg_sq": "int4_block128"}
 
 def _saved_e4m3(config: Any) -> list[tuple[str, dict[str, Any]]]:
     """The ``SAVED_E4M3`` rule, where no ``[[quantize.saved]]`` rule is set and the run takes it (not inside
-    compiled blocks): the rule and the spec's ``parallelize_fn`` wrapped with its hooks, as the launcher's
-    ``apply_run`` would have wrapped it (the hooks are installed from the resolved formats, not the config)."""
+    compiled blocks): the rule, and the spec's ``parallelize_fn`` hooked by the saved kind for the run resolved
+    with it (the hooks come from the resolved formats, not the config: ``apply_run`` installed them before)."""
     if config.quantize.saved:
         return []
-    rules = [SavedRule(modules=["layers.*"], format="e4m3")]
+    quantize = copy.copy(config.quantize)
+    quantize.saved = [SavedRule(modules=["layers.*"], format="e4m3")]
     try:
-        formats = saved.resolve(config, layer_shapes(config), SimpleNamespace(saved=rules))
+        run = resolve_run(config, quantize_cfg=quantize)
     except ConfigError:
         return []
-    hooked = saved.with_saved_hooks(config.model_spec.parallelize_fn, config, formats)
-    return [(SAVED_E4M3, {"quantize.saved": rules, "model_spec.parallelize_fn": hooked})] if formats else []
+    if not run.saved:
+        return []
+    spec = config.model_spec
+    before = spec.parallelize_fn
+    saved.KIND.convert(config, run)  # the kind's own hook-up, as apply_run makes it
+    hooked, spec.parallelize_fn = spec.parallelize_fn, before
+    return [(SAVED_E4M3, {"quantize.saved": quantize.saved, "model_spec.parallelize_fn": hooked})]
 
 
 def _state_formats(config: Any) -> list[tuple[str, dict[str, Any]]]:
