@@ -151,9 +151,8 @@ class LowBitOptimizer(Optimizer):
         """``in_backward``: update ``p`` (parameter ``i`` of group ``gi``) as ``step()`` would, then free its
         gradient."""
         g = local(p.grad)  # its norm in one reduction, accumulated in fp64: no fp32 copy of the gradient
-        if (
-            self._grad_group is None
-        ):  # FSDP2 calls this hook on each sharded parameter after its reduce-scatter
+        # FSDP2 calls this hook on each sharded parameter after its reduce-scatter: the norm's group
+        if self._grad_group is None:
             self._grad_group = shard_group(p.grad)
         self._grad_sq = self._grad_sq.to(g.device) + torch.linalg.vector_norm(g, dtype=torch.float64).square()
         if self.update_in_backward:
