@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from low_bits_training.config.saved import SavedRule
@@ -111,19 +112,19 @@ def _in_backward(config: Any, world_size: int) -> list[tuple[str, dict[str, Any]
     """The change to ``in_backward`` of every low-bit optimizer group without it, if the run allows it (one
     rank, or FSDP2 alone over ``world_size`` ranks)."""
     groups = in_backward_groups(config, on=False)
-    p = config.parallelism
-    others = (p.data_parallel_replicate_degree, p.context_parallel_degree, p.tensor_parallel_degree)
-    if not groups or max(*others, p.pipeline_parallel_degree) > 1:
+    if not groups:
         return []
     changes: dict[str, Any] = {
         f"optimizer.param_groups.{i}.optimizer_kwargs.in_backward": True for i in groups
     }
     changes["training.max_norm"] = math.inf
-    fsdp = SimpleNamespace(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, data_ranks=world_size)
+    d = ParallelDims.from_config(config.parallelism, world_size)  # data_parallel_shard_degree -1 filled in
+    layout = SimpleNamespace(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp,
+                             data_ranks=d.dp_replicate * d.dp_shard)  # fmt: skip
     with _changed(config, changes):
         try:
-            check_in_backward(config, fsdp)
-        except ConfigError:  # accumulation, the autopilot, NaN skipping: not a change to offer
+            check_in_backward(config, layout)
+        except ConfigError:  # DDP / TP / CP / PP, accumulation, the autopilot, NaN skipping: not to offer
             return []
     return [
         (f"optimizer_kwargs.in_backward = true in {_where(groups)} with --training.max_norm inf", changes)
