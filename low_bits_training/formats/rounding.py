@@ -55,6 +55,22 @@ def exp2i(k: torch.Tensor) -> torch.Tensor:
     return pow2(half) * pow2(k - half)
 
 
+def div_rn(a: torch.Tensor, c: float) -> torch.Tensor:
+    """fl32(a / c) for fp32 ``a`` and a Python number ``c``: the correctly rounded quotient on every device,
+    eager or compiled.
+
+    ``a / c`` alone is not: CUDA's eager kernel divides by a CPU scalar as ``a x fl(1 / c)`` (ATen's
+    ``div_true_kernel_cuda``), and inductor lowers a division by a constant to that product on GPUs
+    (``div_prim``); one fp32 ulp off for some ``a`` (the GPU check of 2026-11-28 on an H200: block scales
+    ``amax / 448`` of deepseek_fp8, ``amax / 6`` of NVFP4, ``amax / 127`` of int8, CUDA against the CPU). In
+    float64 either form rounds to the true fp32 quotient: the reciprocal product errs by about 2**-52 of the
+    quotient, and an fp32 quotient by c = odd x 2**k (odd < 2**12) is never within 2**-37 of an fp32
+    midpoint (``tests/formats/test_rounding_div.py``). MPS has no float64: the plain quotient there."""
+    if a.device.type == "mps":
+        return a / c
+    return (a.double() / c).float()
+
+
 def floor_log2(a: torch.Tensor) -> torch.Tensor:
     """floor(log2(a)) for fp32 a >= 0 normal (int32); fp32 subnormals and 0 give -127, inf/NaN give 128."""
     return (a.view(torch.int32) >> 23) - 127

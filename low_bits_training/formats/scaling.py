@@ -18,7 +18,7 @@ import torch
 
 from . import adaptive, te_order
 from .native import compiling_for_cpu
-from .rounding import exp2i, floor_log2, round_to
+from .rounding import div_rn, exp2i, floor_log2, round_to
 from .spec import QuantSpec
 from .table import get_format
 
@@ -89,7 +89,7 @@ def group_amax(xg: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 def _pow2_exponent(amax: torch.Tensor, spec: QuantSpec, max_elem: float, emax_elem: int) -> torch.Tensor:
     """Exponent of the power-of-two scale for scale_rounding floor / ceil / rceil (int32)."""
     if spec.scale_rounding == "rceil":  # round the fp32 quotient up to a power of two (cvt.rp.ue8m0)
-        d = amax / max_elem
+        d = div_rn(amax, max_elem)
         # An fp32-subnormal quotient (< 2**-126) has no exponent field to read: scale it into the normal
         # range by 2**64 (exact) first, so ceil(log2 d) stays right down to the scale format's floor.
         tiny = d < 2.0**-126
@@ -130,7 +130,7 @@ def scale_from_amax(
         if tensor_encode is not None:
             s = te_order.raw_block_scale(amax, tensor_encode, max_elem, spec.scale_order)
         else:
-            s = amax / max_elem if tensor_scale is None else amax / max_elem / tensor_scale
+            s = div_rn(amax, max_elem) if tensor_scale is None else div_rn(amax, max_elem) / tensor_scale
         if spec.margin:
             s = s * 2.0**spec.margin
         s = round_to(s, sfmt)
@@ -185,7 +185,7 @@ def two_level_scales(amax: torch.Tensor, tensor_amax: torch.Tensor, spec: QuantS
     each group's own: MoE's casts). Values dequantize with the tensor scale fl(tensor amax / (scale max x elem
     max)), 1 for a zero tensor; ``inverse`` is Transformer Engine's in ``scale_order = "te"``, else None."""
     top = tensor_scale_max(spec) * spec.elem.max
-    ts = torch.where(tensor_amax == 0, 1.0, tensor_amax / top)
+    ts = torch.where(tensor_amax == 0, 1.0, div_rn(tensor_amax, top))
     if spec.scale_order == "decode":
         return scale_from_amax(amax, spec, tensor_scale=ts), ts, None
     enc = te_order.encode_scale(tensor_amax, top)

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .rounding import div_rn
+
 FP32_MAX = torch.finfo(torch.float32).max
 """The cap of TE's encode scales, raw block scales and multipliers."""
 
@@ -51,7 +53,7 @@ def raw_block_scale(
     """The block scale before its rounding, capped at fp32's max: fl(amax x fl(e x fl(1 / max_elem))) (TE),
     or fl(fl(amax / max_elem) x e) (``order = "torchao"``: torchao's NVFP4 training kernels)."""
     if order == "torchao":
-        return (amax / max_elem * encode).clamp_max(FP32_MAX)
+        return (div_rn(amax, max_elem) * encode).clamp_max(FP32_MAX)
     inv_max = torch.reciprocal(torch.full_like(encode, max_elem))
     return (amax * (encode * inv_max)).clamp_max(FP32_MAX)
 
