@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,9 +44,9 @@ class LowBitOptimizer(Optimizer):
         super().__init__(params, defaults)
         self._options_cache: dict[Any, Any] = {}
         self._layouts: dict[torch.Tensor, tuple[Any, ParamLayout]] = {}
-        self.update_in_backward = True
-        """False: the ``in_backward`` hooks only free each gradient (the peak planner counts that, with no values
-        to update)."""
+        self.in_backward_stand_in: Callable[[torch.Tensor], None] | None = None
+        """Set by the peak planner, which has no values to update with: the ``in_backward`` hooks call it with
+        each parameter in place of its update (it counts the update's workspace), then free the gradient."""
         self._grad_sq = torch.zeros((), dtype=torch.float64)
         self._grad_group = None  # FSDP2: the gradients' shard group, over which the squared norms add up
         for gi, group in enumerate(self.param_groups):
@@ -155,7 +156,9 @@ class LowBitOptimizer(Optimizer):
         if self._grad_group is None:
             self._grad_group = shard_group(p.grad)
         self._grad_sq = self._grad_sq.to(g.device) + torch.linalg.vector_norm(g, dtype=torch.float64).square()
-        if self.update_in_backward:
+        if self.in_backward_stand_in is not None:
+            self.in_backward_stand_in(p)
+        else:
             group = self.param_groups[gi]
             batch = ChunkBatch(self.chunk_numel)
             self._update(p, _fqn(group, gi, i), group, self.options(group), {}, batch)

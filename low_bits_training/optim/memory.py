@@ -227,6 +227,14 @@ class LiveStorages(TorchDispatchMode):
         if self._live.pop(id(info), None) is not None:
             self.now -= info[0]
 
+    def transient(self, nbytes: int, part: str) -> None:
+        """Count ``nbytes`` made and freed at once, as ``part`` (what an update makes while it runs, planned
+        without values to run it on)."""
+        info = [self._bytes(nbytes), part]
+        self._live[id(info)] = info
+        self._grow(info[0])
+        self._free(info)
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now."""
         self.peak, self.peak_phase = -1, self.phase

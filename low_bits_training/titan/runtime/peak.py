@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from torchtitan.trainer import Trainer
 
 from low_bits_training.optim.budget import StateBytes
 from low_bits_training.optim.memory import LiveStorages
+from low_bits_training.optim.workspace import update_workspace
 from low_bits_training.titan.platform.compat import (
     fake_process_group,
     fake_refusals,
@@ -201,6 +203,10 @@ def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable
     return PeakPlan(first, later, ordered, phase, world_size, count.round_to)
 
 
+def _workspace(count: LiveStorages, planned: dict, p: torch.Tensor) -> None:
+    count.transient(planned[p], "optimizer step")
+
+
 def _two_steps(
     config: Any,
     model_config: Any,
@@ -245,8 +251,16 @@ def _two_steps(
     valid = torch.tensor(float(t.local_batch_size * t.seq_len))
     peaks, stand_ins = [], []
     in_backward = [o for o in optimizers.optimizers if getattr(o, "updates_in_backward", False)]
-    for opt in in_backward:
-        opt.update_in_backward = False  # its hooks only free each gradient (no values to update with)
+    for opt in (
+        in_backward
+    ):  # each hook counts its update's workspace (measured before the count) and frees the grad
+        ws = {
+            p: update_workspace(opt, p)
+            for g in opt.param_groups
+            if opt.options(g).in_backward
+            for p in g["params"]
+        }
+        opt.in_backward_stand_in = functools.partial(_workspace, count, ws)
     with count:
         for _ in range(2):
             count.phase = "forward and backward"

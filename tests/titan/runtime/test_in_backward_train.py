@@ -66,8 +66,9 @@ def test_under_fsdp2_each_shard_is_updated_after_its_reduce_scatter_as_the_step_
     assert len(norms[True]) == 4 and norms[True] == pytest.approx(norms[False], rel=1e-3), norms
     plan = json.loads((runs[True].folder / STATE_BYTES_JSON).read_text())["planned"]
     assert plan["bytes"]["grads"] == 0
-    # the peak plan (FSDP2's hooks free each reduced shard) is the allocator's peak to 10% (measured +6.8%: the
-    # update's workspace, made here while the activations are alive, is not planned)
+    # the peak plan (FSDP2's hooks free each reduced shard, each update's workspace counted while the
+    # activations are alive: optim.workspace) is the allocator's peak to 10% (2026-11-28: 50.47 MB planned, 51.54
+    # measured; 47.29 planned before the workspace was, and CI measured 52.58 once: +11.2%)
     peak = json.loads((runs[True].folder / PEAK_JSON).read_text())
     assert "gradients" not in peak["planned"]["parts"], peak
     assert abs(peak["measured"]["peak"] / peak["planned"]["later_steps"] - 1) < 0.10, peak
