@@ -16,7 +16,7 @@ from helpers import REPO
 from low_bits_training.formats import FORMATS
 from low_bits_training.nn import hardware
 from low_bits_training.nn.recipes import RECIPES
-from low_bits_training.speed.gpu_check import block, catalog, compiling, device, parity, runner
+from low_bits_training.speed.gpu_check import block, catalog, compiling, device, parity, processes, runner
 from low_bits_training.titan.platform import devices
 
 SCRIPT = str(REPO / "scripts" / "gpu_check.sh")
@@ -113,7 +113,6 @@ def test_a_driver_without_cuda_exits_2_in_one_line(tmp_path, monkeypatch, capsys
 
 
 def test_the_graphs_off_line_is_the_workers():
-    from low_bits_training.speed.gpu_check import processes
     from low_bits_training.titan.runtime.graphs import GRAPHS_OFF
 
     assert processes.GRAPHS_OFF == GRAPHS_OFF
@@ -387,3 +386,19 @@ def test_the_graph_checks_eager_step_is_keyed_and_sees_the_plan_switch(monkeypat
         assert not torch.equal(graphs.eager_step(b, x, dy, 2)[0], first[0])
     finally:
         graphs.rng.set_step_key(None)
+
+
+def test_the_trainings_peak_row_holds_the_plan_to_10_percent_and_fails_an_under_plan():
+    def peak(planned, measured):
+        return {"planned": {"later_steps": planned}, "measured": {"peak": measured}}
+
+    assert processes.peak_row(peak(100, 108), compiled=True)["status"] == "ok"
+    assert processes.peak_row(peak(100, 92), compiled=False)["status"] == "ok"
+    over = processes.peak_row(peak(100, 75), compiled=True)  # planned as eager, the compiled step holds less
+    assert over["status"] == "info" and "planned as eager" in over["detail"], over
+    assert processes.peak_row(peak(100, 75), compiled=False)["status"] == "fail"
+    under = processes.peak_row(peak(100, 115), compiled=True)  # a plan a run could OOM under
+    assert under["status"] == "fail" and under["detail"].startswith(
+        "planned 0.0 MiB, measured 0.0 MiB (+15.0%)"
+    )
+    assert processes.peak_row(None, compiled=True)["status"] == "info"

@@ -1,5 +1,6 @@
 """The items that run in a child process: the GPU-marked tests (level 0), the import survey (level 1), the NaN
-guard (level 2) and a short torchtitan training (level 3: an emulated recipe, compiled, with CUDA graphs on).
+guard (level 2) and a short torchtitan training (level 3: an emulated recipe, compiled, with CUDA graphs on;
+its peak memory against the launcher's plan).
 What they check lives in titan/, which speed/ may not import (tests/test_layering.py): a child runs it."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from low_bits_training.run.folder import PEAK_JSON
 
 from .parity import row
 
@@ -107,4 +110,28 @@ def train_rows(ctx) -> list[dict]:
         graphs_off or "CUDA graphs on"
     )
     detail += "" if ok else f"; {p.stderr.strip()[-300:]}"
-    return [row("ok" if ok else "fail", detail, losses=losses, command=" ".join(TRAIN))]
+    peak = folder / PEAK_JSON
+    plan = peak_row(
+        json.loads(peak.read_text()) if peak.is_file() else None, compiled="--compile.enable" in TRAIN
+    )
+    return [row("ok" if ok else "fail", detail, losses=losses, command=" ".join(TRAIN)), plan]
+
+
+def peak_row(peak: dict | None, compiled: bool) -> dict:
+    """The run's peak (``torch.cuda.max_memory_allocated`` on a GPU) against the launcher's plan of a later step
+    (``peak_memory.json``; docs/memory.md): ok within 10%; a plan above a compiled run's peak is info, as compiled
+    runs are planned as eager; a plan below the measured peak by more than 10% fails (a run it passes may OOM)."""
+    if peak is None or not peak.get("planned"):
+        return row(
+            "info", "no peak_memory.json with a plan: the launcher did not plan this run", case="peak memory"
+        )
+    planned, measured = peak["planned"]["later_steps"], peak["measured"]["peak"]
+    ratio = measured / planned
+    detail = f"planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB ({ratio - 1:+.1%})"
+    if abs(ratio - 1) <= 0.10:
+        status = "ok"
+    elif ratio < 1 and compiled:
+        status, detail = "info", detail + "; compiled runs are planned as eager (docs/memory.md)"
+    else:
+        status = "fail"
+    return row(status, detail, case="peak memory", planned=planned, measured=measured)
