@@ -36,6 +36,7 @@ class Upstream:
 
 
 __all__ = [
+    "INDUCTOR_AS_EAGER",
     "RECORDS",
     "TorchDispatchMode",
     "Upstream",
@@ -43,8 +44,28 @@ __all__ = [
     "cpu_has",
     "has_kernel",
     "has_triton",
+    "inductor_as_eager_here",
     "unset_fake_temporarily",
 ]
+
+INDUCTOR_AS_EAGER = (
+    "emulate_precision_casts",
+    "eager_numerics.division_rounding",
+    "eager_numerics.disable_ftz",
+)
+"""Inductor's switches (all off by default) that keep compiled code bit-faithful to eager on a GPU: round
+low-precision intermediates where eager does; lower fp32 ``x / y`` to a correctly rounded divide (Triton's default
+``div.full.f32`` is approximate, so ``x / scale`` with a scale that is not a power of two could land on another
+grid point); keep fp32 subnormals (Triton flushes them to zero by default). The emulation's compile turns them on
+process-wide (``compat.inductor_as_eager``), the fused optimizer update per compile (``optim/fused.py``)."""
+
+
+def inductor_as_eager_here() -> dict[str, bool]:
+    """``INDUCTOR_AS_EAGER`` as ``torch.compile`` options, each True: those this torch has (torch.compile refuses
+    an unknown option, and the pure layers run on torch 2.11 too)."""
+    import torch._inductor.config as inductor
+
+    return {name: True for name in INDUCTOR_AS_EAGER if name in inductor._config}
 
 
 def has_triton() -> bool:
@@ -109,6 +130,13 @@ RECORDS: dict[str, Upstream] = {
         72,
         "3c4d4a7804016d56",
         "the memory planner's count of every storage an op makes (optim/memory.py LiveStorages)",
+    ),
+    "inductor_as_eager": Upstream(
+        "torch._inductor.config:_config",
+        0,
+        "",  # settings, not code: tests/titan/platform/test_compat.py checks each name of INDUCTOR_AS_EAGER is a key
+        "inductor's switches that make compiled code round, divide and keep subnormals as eager does (the "
+        "emulation's compile, titan/platform/compat.py; the fused optimizer update, optim/fused.py)",
     ),
 }
 """The records of the names above, by compat's key (merged into ``compat.UPSTREAM``)."""

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from low_bits_training.upstream import inductor_as_eager_here
+
 from .kernels import KERNELS
 from .layout import KernelSpec
 
@@ -33,14 +35,17 @@ def kept_guards(entries) -> list[bool]:
     return [e.guard_type in ("TENSOR_MATCH", "SHAPE_ENV", "GLOBAL_STATE") for e in entries]
 
 
-_OPTIONS = {"emulate_precision_casts": True, "guard_filter_fn": kept_guards}
-"""Keep eager's rounding of every cast (inductor may otherwise fold an fp32 -> bf16 -> fp32 pair) and, on GPU,
-no fused multiply-adds the eager kernels do not make; check only the guards ``kept_guards`` keeps."""
+def _options() -> dict:
+    """Inductor as eager (``upstream.INDUCTOR_AS_EAGER``: eager's rounding of every cast, where inductor may fold
+    an fp32 -> bf16 -> fp32 pair; on a GPU, correctly rounded divides and fp32 subnormals kept, as the eager
+    update has them: on an H200 the eager update equalled the CPU's bit for bit and the fused one, compiled
+    with the first switch alone, did not, docs/optimizers.md); check only the guards ``kept_guards`` keeps."""
+    return {**inductor_as_eager_here(), "guard_filter_fn": kept_guards}
 
 
 def _compiled(fn: Callable) -> Callable:
-    # a copy of the options each time: torch.compile pops guard_filter_fn from the dict it is given
-    return torch.compile(fn, fullgraph=True, options=dict(_OPTIONS))
+    # new options each time: torch.compile pops guard_filter_fn from the dict it is given
+    return torch.compile(fn, fullgraph=True, options=_options())
 
 
 def _own_copy(spec: KernelSpec) -> Callable:

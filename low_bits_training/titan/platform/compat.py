@@ -14,7 +14,7 @@ import importlib
 import inspect
 from typing import Any
 
-from low_bits_training.upstream import RECORDS, Upstream
+from low_bits_training.upstream import INDUCTOR_AS_EAGER, RECORDS, Upstream, inductor_as_eager_here
 
 UPSTREAM: dict[str, Upstream] = {
     "config_function": Upstream(
@@ -77,12 +77,6 @@ UPSTREAM: dict[str, Upstream] = {
         "e2de1f3b359def05",
         "torchao's guard against Triton's NaN/Inf fp8 stores (triton-lang/triton#11111), which torchao applies "
         "only in convert_to_float8_training; we build torchao's modules through config classes instead",
-    ),
-    "inductor_as_eager": Upstream(
-        "torch._inductor.config:_config",
-        0,
-        "",  # settings, not code: the test checks each name of INDUCTOR_AS_EAGER is one of its keys
-        "inductor's switches that make compiled casts round, divide and keep subnormals as eager does",
     ),
     "float8_grouped_experts": Upstream(
         "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls",
@@ -379,30 +373,19 @@ def fsdp_sharded_local(fsdp_param: Any) -> Any:
 
 # --- torch._inductor.config -----------------------------------------------------------------------------------
 
-INDUCTOR_AS_EAGER = (
-    "emulate_precision_casts",
-    "eager_numerics.division_rounding",
-    "eager_numerics.disable_ftz",
-)
-"""Inductor's switches (all off by default) that keep a compiled emulation bit-faithful to eager on a GPU:
-round low-precision intermediates where eager does; lower fp32 ``x / y`` to a correctly rounded divide
-(Triton's default ``div.full.f32`` is approximate, so ``x / scale`` with a scale that is not a power of two
-could land on another grid point); keep fp32 subnormals (Triton flushes them to zero by default)."""
-
 
 def inductor_as_eager() -> tuple[str, ...]:
-    """Turn on ``INDUCTOR_AS_EAGER`` (process-wide; read at each compile).
+    """Turn on ``INDUCTOR_AS_EAGER`` (``upstream``; process-wide; read at each compile).
 
     Returns:
         The switches this torch does not have (older torch: the check of the GPU runs it on torch 2.11 too).
     """
     import torch._inductor.config as inductor
 
-    missing = tuple(name for name in INDUCTOR_AS_EAGER if name not in inductor._config)
-    for name in INDUCTOR_AS_EAGER:
-        if name not in missing:
-            setattr(inductor, name, True)
-    return missing
+    here = inductor_as_eager_here()
+    for name in here:
+        setattr(inductor, name, True)
+    return tuple(name for name in INDUCTOR_AS_EAGER if name not in here)
 
 
 # --- torchao.float8._inductor_patch ---------------------------------------------------------------------------
