@@ -217,6 +217,11 @@ NEEDS: dict[str, str] = {
         "network: pip download from PyPI (run by hand 2026-11-27: 37 wheels, 35 MiB)"
     ),
     "scripts/gpu_check.sh --wheelhouse /tmp/wheelhouse": "gpu (a node without network)",
+    "scripts/gpu_check.sh --wheelhouse .whl --budget-s 380 --out $OUT/gc": "gpu (the first GPU run, 2026-11-28)",
+    "python benchmarks/gemm_accumulation.py": (
+        "gpu (its point is the CUDA rows; the bound they set: "
+        "tests/speed/test_gpu_check.py::test_the_accumulation_bound_passes_an_fp32_sum_and_refuses_a_bf16_result)"
+    ),
 }
 """Documented command -> what it needs that the test machine lacks."""
 
