@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from low_bits_training.nn.kernels import mm_fp32_accumulate  # noqa: E402
+from low_bits_training.speed.gpu_check.device import error_units  # noqa: E402
 
 
 def _cuda_gemms() -> dict[str, Callable]:
@@ -66,9 +67,7 @@ def measure(k: int, device: str, gemm: Callable, seed: int = 0) -> dict[str, flo
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(512, k, generator=g).bfloat16().float()
     b = torch.randn(k, 512, generator=g).bfloat16().float()
-    exact = a.double() @ b.double()
-    unit = (a.abs().double() @ b.abs().double()) * 2.0**-24
-    err = (gemm(a.to(device), b.to(device)).double().cpu() - exact) / unit
+    err = error_units(gemm(a.to(device), b.to(device)), a, b)
     return {"max": err.abs().max().item(), "mean_signed": err.mean().item()}
 
 

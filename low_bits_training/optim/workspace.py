@@ -13,6 +13,7 @@ compile of the update, which the run's own first step then finds in inductor's c
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,10 +28,10 @@ MEASURE_NUMEL = 1 << 16
 _PER_ELEMENT: dict[tuple, float] = {}
 
 
-def call_numel(opt: Any, p: torch.Tensor) -> int:
+def call_numel(opt: Any, p: torch.Tensor, group: dict[str, Any] | None = None) -> int:
     """Elements of the largest call the update of ``p`` makes (``LowBitOptimizer._update``'s spans; a
-    parameter whose chunks are batched: all of them in one call)."""
-    opts = opt.options(opt._group_of(p))
+    parameter whose chunks are batched: all of them in one call). ``group``: ``p``'s, if the caller has it."""
+    opts = opt.options(group or opt._group_of(p))
     lay = opt.layout(p, opts)
     spans = lay.merged(opt.call_chunks) if opts.fused and not lay.spec.purposes else lay.chunks
     sizes = [(r1 - r0) * lay.group for r0, r1 in spans]
@@ -39,9 +40,9 @@ def call_numel(opt: Any, p: torch.Tensor) -> int:
     return max(sizes)
 
 
-def per_element(opt: Any, p: torch.Tensor) -> float:
+def per_element(opt: Any, p: torch.Tensor, group: dict[str, Any] | None = None) -> float:
     """Bytes the update of ``p`` makes at its peak per element of a call, measured once per kind of update."""
-    group = opt._group_of(p)
+    group = group or opt._group_of(p)
     opts = opt.options(group)
     lay, w = opt.layout(p, opts), local(p)
     key = (type(opt), lay.spec, w.dtype, opts.fused)
@@ -50,16 +51,14 @@ def per_element(opt: Any, p: torch.Tensor) -> float:
     return _PER_ELEMENT[key]
 
 
-def update_workspace(opt: Any, p: torch.Tensor) -> int:
-    """Bytes the update of ``p`` makes at once beside its states and gradient."""
-    return int(per_element(opt, p) * call_numel(opt, p))
+def update_workspace(opt: Any, p: torch.Tensor, group: dict[str, Any] | None = None) -> int:
+    """Bytes the update of ``p`` makes at once beside its states and gradient (``group``: ``p``'s, if known)."""
+    group = group or opt._group_of(p)
+    return int(per_element(opt, p, group) * call_numel(opt, p, group))
 
 
 def _measure(opt: Any, group: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> float:
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel > MEASURE_NUMEL:  # whole rows of the same width: the same spec, fewer of them
+    if math.prod(shape) > MEASURE_NUMEL:  # whole rows of the same width: the same spec, fewer of them
         shape = (max(1, MEASURE_NUMEL // shape[-1]), shape[-1]) if len(shape) > 1 else (MEASURE_NUMEL,)
     options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     with unset_fake_temporarily():

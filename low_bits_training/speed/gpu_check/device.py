@@ -46,6 +46,13 @@ result thousands. The tensor cores' fp32 sum is not rounded to nearest, so the f
 fp32 GEMM" failed there (2026-11-28); this bound still refuses a bf16 sum or result."""
 
 
+def error_units(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each element's signed error of ``got`` (a GEMM of ``a @ b``) against the float64 product, in units of
+    u x sum_k |a_k b_k| (u = 2**-24), on the CPU (``benchmarks/gemm_accumulation.py`` prints these too)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return (got.double().cpu() - a @ b) / ((a.abs() @ b.abs()) * 2.0**-24)
+
+
 def accumulate_rows(ctx) -> list[dict]:
     """``nn.kernels.mm_fp32_accumulate`` (and, on CUDA, ``tensor_core_mm`` itself) against the float64
     product of bf16-valued operands: fp32 accumulation, within ``ACCUMULATE_BOUND`` units of
@@ -55,19 +62,14 @@ def accumulate_rows(ctx) -> list[dict]:
     a = torch.randn(512, 2048, generator=g).bfloat16().float().to(ctx.device)
     b = torch.randn(2048, 512, generator=g).bfloat16().float().to(ctx.device)
     exact = a.double() @ b.double()
-    unit = (a.abs().double() @ b.abs().double()) * 2.0**-24
-
-    def units(c: torch.Tensor) -> float:
-        return ((c.double() - exact).abs() / unit).max().item()
-
-    fp32 = units(torch.mm(a, b))
+    fp32 = error_units(torch.mm(a, b), a, b).abs().max().item()
     fns = {"mm_fp32_accumulate": mm_fp32_accumulate} | (
         {"tensor_core_mm": tensor_core_mm} if ctx.device == "cuda" else {}
     )
     out = []
     for name, fn in fns.items():
         got = fn(a, b)
-        err, max_error = units(got), (got.double() - exact).abs().max().item()
+        err, max_error = error_units(got, a, b).abs().max().item(), (got.double() - exact).abs().max().item()
         ok = err <= ACCUMULATE_BOUND
         detail = (f"{ctx.device}: max error {err:.2f} u x sum|ab| (<= {ACCUMULATE_BOUND:g}: an fp32 sum; "
                   f"fp32 GEMM {fp32:.2f}), {max_error:.3g} absolute")  # fmt: skip

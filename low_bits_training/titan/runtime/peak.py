@@ -251,15 +251,10 @@ def _two_steps(
     valid = torch.tensor(float(t.local_batch_size * t.seq_len))
     peaks, stand_ins = [], []
     in_backward = [o for o in optimizers.optimizers if getattr(o, "updates_in_backward", False)]
-    for opt in (
-        in_backward
-    ):  # each hook counts its update's workspace (measured before the count) and frees the grad
-        ws = {
-            p: update_workspace(opt, p)
-            for g in opt.param_groups
-            if opt.options(g).in_backward
-            for p in g["params"]
-        }
+    # each hook counts its update's workspace (measured here, before the count) and frees the gradient
+    for opt in in_backward:
+        groups = [g for g in opt.param_groups if opt.options(g).in_backward]
+        ws = {p: update_workspace(opt, p, g) for g in groups for p in g["params"]}
         opt.in_backward_stand_in = functools.partial(_workspace, count, ws)
     with count:
         for _ in range(2):
