@@ -111,16 +111,14 @@ def train_rows(ctx) -> list[dict]:
     )
     detail += "" if ok else f"; {p.stderr.strip()[-300:]}"
     peak = folder / PEAK_JSON
-    plan = peak_row(
-        json.loads(peak.read_text()) if peak.is_file() else None, compiled="--compile.enable" in TRAIN
-    )
+    plan = peak_row(json.loads(peak.read_text()) if peak.is_file() else None)
     return [row("ok" if ok else "fail", detail, losses=losses, command=" ".join(TRAIN)), plan]
 
 
-def peak_row(peak: dict | None, compiled: bool) -> dict:
+def peak_row(peak: dict | None) -> dict:
     """The run's peak (``torch.cuda.max_memory_allocated`` on a GPU) against the launcher's plan of a later step
-    (``peak_memory.json``; docs/memory.md): ok within 10%; a plan above a compiled run's peak is info, as compiled
-    runs are planned as eager; a plan below the measured peak by more than 10% fails (a run it passes may OOM)."""
+    (``peak_memory.json``; docs/memory.md): ok within 10% either way, else fail (a plan below the measured peak
+    passes runs that may OOM; one far above refuses runs that would fit)."""
     if peak is None or not peak.get("planned"):
         return row(
             "info", "no peak_memory.json with a plan: the launcher did not plan this run", case="peak memory"
@@ -128,10 +126,5 @@ def peak_row(peak: dict | None, compiled: bool) -> dict:
     planned, measured = peak["planned"]["later_steps"], peak["measured"]["peak"]
     ratio = measured / planned
     detail = f"planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB ({ratio - 1:+.1%})"
-    if abs(ratio - 1) <= 0.10:
-        status = "ok"
-    elif ratio < 1 and compiled:
-        status, detail = "info", detail + "; compiled runs are planned as eager (docs/memory.md)"
-    else:
-        status = "fail"
+    status = "ok" if abs(ratio - 1) <= 0.10 else "fail"
     return row(status, detail, case="peak memory", planned=planned, measured=measured)

@@ -8,10 +8,12 @@ again instead of breaking at run time (the lines are also named in each shim's d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from low_bits_training.upstream import INDUCTOR_AS_EAGER, RECORDS, Upstream, inductor_as_eager_here
@@ -189,6 +191,32 @@ UPSTREAM: dict[str, Upstream] = {
         806,
         "2d88c5250155b17d",
         "torchtitan's own forward, loss and backward of one microbatch, run by the memory planner on a stand-in",
+    ),
+    "aot_autograd": Upstream(
+        "torch._dynamo.backends.common:aot_autograd",
+        164,
+        "b452e0e843b79e9c",
+        "a dynamo backend from forward and backward compilers: the planner's stand-in for inductor",
+    ),
+    "inductor_decompositions": Upstream(
+        "torch._inductor.compile_fx:select_decomp_table",
+        1169,
+        "2180869657eab772",
+        "the decompositions inductor traces with, so the planner partitions the graphs inductor partitions",
+    ),
+    "titan_compile_backend": Upstream(
+        "torchtitan.distributed.compile:_maybe_regional_inductor_backend",
+        99,
+        "36845d1a1bd49b69",
+        "the backend torchtitan's apply_compile hands to torch.compile: the planner swaps in its own for the "
+        "build (torchtitan otherwise refuses any backend but inductor's and aot_eager for FlexAttention models)",
+    ),
+    "inductor_partition": Upstream(
+        "torch._dynamo.backends.debugging:aot_eager_decomp_partition",
+        448,
+        "e96804c2681a9ad5",
+        "torch's own recipe for inductor's forward / backward split without inductor (decompositions, min-cut "
+        "partitioner for compiler 'inductor', effect tokens unlifted), which partitioned_backend follows",
     ),
     **RECORDS,  # the private torch names of the floors below titan (low_bits_training/upstream.py)
 }
@@ -492,3 +520,50 @@ def forward_backward_body(trainer: Any, *args: Any) -> Any:
     from torchtitan.trainer import Trainer
 
     return Trainer._forward_backward_body(trainer, *args)
+
+
+def partitioned_backend(run: Callable[[Any], Callable[[list], Any]]) -> Callable:
+    """A dynamo backend that splits a graph into forward and backward as inductor does, and runs each through
+    ``run(graph_module)`` instead of inductor's code: ``run`` returns a function of the list of the graph's
+    inputs, which it may empty as it goes (boxed, as inductor's code frees the saved activations it has read).
+
+    Upstream: ``torch._dynamo.backends.debugging.aot_eager_decomp_partition`` (line 448) is this recipe with a
+    compiler that runs the graph as it is: ``aot_autograd`` (backends/common.py line 164) with inductor's
+    decompositions (``select_decomp_table``, compile_fx.py line 1169) and the min-cut partitioner for
+    ``compiler="inductor"``, effect tokens unlifted.
+    """
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import select_decomp_table
+
+    def boxed(gm: Any, example_inputs: list) -> Callable[[list], Any]:
+        fn = run(gm)
+        fn._boxed_call = True
+        return fn
+
+    def backend(gm: Any, example_inputs: list) -> Any:
+        with functorch_config.patch({"unlift_effect_tokens": True}):
+            return aot_autograd(
+                fw_compiler=boxed,
+                bw_compiler=boxed,
+                decompositions=select_decomp_table,
+                partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+            )(gm, example_inputs)
+
+    return backend
+
+
+@contextlib.contextmanager
+def titan_compile_backend(backend: Callable):
+    """While open, torchtitan's ``apply_compile`` (distributed/compile.py line 39, which every model's
+    ``parallelize_fn`` calls) compiles with ``backend``: it asks ``_maybe_regional_inductor_backend`` (line 99)
+    for the backend, which would refuse one of ours on a model with FlexAttention."""
+    from torchtitan.distributed import compile as titan_compile
+
+    before = titan_compile._maybe_regional_inductor_backend
+    titan_compile._maybe_regional_inductor_backend = lambda model, name: backend
+    try:
+        yield
+    finally:
+        titan_compile._maybe_regional_inductor_backend = before

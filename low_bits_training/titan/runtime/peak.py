@@ -6,8 +6,10 @@ size under ``FakeTensorMode`` and runs torchtitan's own step code (``Trainer.pos
 ``Trainer._forward_backward_body``, the optimizers' ``step``) for two steps of the local batch, at most two
 microbatches each. ``optim.memory.LiveStorages`` counts every storage from the op that makes it until its last
 reference goes (512-B blocks on CUDA). The first step makes the optimizer states; the second is every later
-step. Not planned: pipeline parallelism. Planned as eager: compiled runs (above what they hold). Not counted:
-the allocator's cache and fragmentation, CUDA / NCCL workspaces, tensors outside the step.
+step. A compiled run is built with torchtitan's own compile, partitioned as inductor would and run node by
+node (``titan/runtime/peak_compile.py``); under activation checkpointing it is planned as eager. Not planned:
+pipeline parallelism. Not counted: the allocator's cache and fragmentation, CUDA / NCCL workspaces, tensors
+outside the step.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ from low_bits_training.titan.platform.compat import (
     fake_refusals,
     fake_tensor_mode,
     forward_backward_body,
+    titan_compile_backend,
 )
+from low_bits_training.titan.runtime import peak_compile
 from low_bits_training.titan.runtime.budget import planned
+from low_bits_training.titan.runtime.peak_compile import CompiledCount
 
 PARTS = ("parameters", "buffers", "gradients", "optimizer states", "forward and backward", "optimizer step")
 """What the plan names at the peak, in this order: the parameters as each rank stores them (FSDP2's shards),
@@ -187,16 +192,22 @@ def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable
         NotPlanned: a run the planner does not plan (pipeline parallelism), or a process group is running.
     """
     _check_plannable(config)
-    compile_off = copy.deepcopy(config.compile)
-    compile_off.enable = False  # torch.compile cannot trace under the counting mode: planned as eager
-    count = LiveStorages(round_to=512 if device_type == "cuda" else 1)
+    round_to = 512 if device_type == "cuda" else 1
+    compiled = copy.deepcopy(config.compile)
+    # torchtitan's own compile of the run's components, partitioned as inductor would; under activation
+    # checkpointing planned as eager (inductor's order of a recompute keeps more alive than the graph's order)
+    compiled.enable = compiled.enable and config.activation_checkpoint is None
+    count = CompiledCount(round_to) if compiled.enable else LiveStorages(round_to)
+    if compiled.enable:
+        compiled.backend = peak_compile.backend(count)
+        torch._dynamo.reset()  # each plan compiles anew (a fit plans many): never past dynamo's recompile limit
     with _fake_group(world_size), tempfile.TemporaryDirectory(prefix="lbt-peak-") as scratch:
         dims = ParallelDims.from_config(config.parallelism, world_size)
         dims.build_mesh()  # before the fake mode: the meshes read their ranks from real tensors
         dims.get_all_one_dimensional_meshes()
         budget = _budget(config, world_size)  # before the count: it builds the model on meta
         with fake_tensor_mode():
-            peaks = _two_steps(config, model_of(config), dims, scratch, compile_off, count, budget)
+            peaks = _two_steps(config, model_of(config), dims, scratch, compiled, count, budget)
     (first, first_parts, first_phase), (later, later_parts, later_phase) = peaks
     parts, phase = (first_parts, first_phase) if first >= later else (later_parts, later_phase)
     ordered = {p: parts[p] for p in PARTS if parts.get(p)}
@@ -212,7 +223,7 @@ def _two_steps(
     model_config: Any,
     dims: ParallelDims,
     scratch: str,
-    compile_off: Any,
+    compiled: Any,
     count: LiveStorages,
     budget: StateBytes | None,
 ) -> list:
@@ -224,19 +235,20 @@ def _two_steps(
         set_default_dtype(TORCH_DTYPE_MAP[t.dtype]),
     ):  # as torchtitan's Trainer builds it
         model = model_config.build()
-    model = spec.parallelize_fn(
-        model,
-        parallel_dims=dims,
-        training=t,
-        parallelism=config.parallelism,
-        compile_config=compile_off,
-        ac_config=config.activation_checkpoint,
-        dump_folder=scratch,
-    )
+    with titan_compile_backend(compiled.backend) if compiled.enable else contextlib.nullcontext():
+        model = spec.parallelize_fn(
+            model,
+            parallel_dims=dims,
+            training=t,
+            parallelism=config.parallelism,
+            compile_config=compiled,
+            ac_config=config.activation_checkpoint,
+            dump_folder=scratch,
+        )
     model.to_empty(device="cpu")
     model.train()
     optimizers = config.optimizer.build(model_parts=[model])
-    loss_fn = config.loss.build(compile_config=compile_off)
+    loss_fn = config.loss.build(compile_config=compiled)
     if isinstance(loss_fn, ChunkedLossWrapper):  # as the trainer sets it up
         loss_fn.set_lm_head(model.lm_head)
         model._skip_lm_head = True

@@ -96,6 +96,15 @@ CASES = {
     "full AC": (1, ("--activation_checkpoint", "full"), None),
     "2 FSDP2 ranks": (2, ("--parallelism.data_parallel_shard_degree", "2"), None),
     "lean preset, 2 ranks (bf16 parameters, 4-bit LowBitAdamW states, e4m3 saved activations)": (2, (), LEAN),
+    # compiled: planned with torchtitan's compile, partitioned as inductor would (titan/runtime/peak_compile.py)
+    "compiled, 1 rank": (1, ("--compile.enable",), None),
+    "compiled, full AC": (1, ("--compile.enable", "--activation_checkpoint", "full"), None),
+    "compiled, 2 FSDP2 ranks": (
+        2,
+        ("--compile.enable", "--parallelism.data_parallel_shard_degree", "2"),
+        None,
+    ),
+    "compiled lean preset, 2 ranks": (2, ("--compile.enable",), LEAN),
 }
 
 
@@ -108,13 +117,6 @@ def test_the_planned_peak_is_within_ten_percent_of_the_allocators(tmp_path, case
     assert got["measured"]["step"] == 2 and got["planned"]["ranks"] == nproc
     assert abs(measured / planned - 1) <= 0.10, (case, planned, measured, got)
     assert "low-bits-training: memory: " in run.log and "GiB on rank 0" in run.log
-
-
-def test_a_compiled_run_is_planned_as_eager_above_what_it_holds(tmp_path):
-    run = train(tmp_path, *SHAPE, "--compile.enable", "--checkpoint.no-enable")
-    got = json.loads((run.folder / PEAK_JSON).read_text())
-    planned, measured = got["planned"]["later_steps"], got["measured"]["peak"]
-    assert measured < planned, got  # torch.compile saves fewer activations than the eager step planned
 
 
 def _fresh_python(code: str) -> list[str]:
