@@ -43,7 +43,6 @@ from low_bits_training.titan.platform.compat import (
 )
 from low_bits_training.titan.runtime import peak_compile
 from low_bits_training.titan.runtime.budget import planned
-from low_bits_training.titan.runtime.peak_compile import CompiledCount
 
 PARTS = ("parameters", "buffers", "gradients", "optimizer states", "forward and backward", "optimizer step")
 """What the plan names at the peak, in this order: the parameters as each rank stores them (FSDP2's shards),
@@ -197,7 +196,7 @@ def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable
     # torchtitan's own compile of the run's components, partitioned as inductor would; under activation
     # checkpointing planned as eager (inductor's order of a recompute keeps more alive than the graph's order)
     compiled.enable = compiled.enable and config.activation_checkpoint is None
-    count = CompiledCount(round_to) if compiled.enable else LiveStorages(round_to)
+    count = peak_compile.CompiledCount(round_to) if compiled.enable else LiveStorages(round_to)
     if compiled.enable:
         compiled.backend = peak_compile.backend(count)
         torch._dynamo.reset()  # each plan compiles anew (a fit plans many): never past dynamo's recompile limit
