@@ -18,12 +18,12 @@ probability (x - lo) / (hi - lo); toward_zero takes the neighbour nearer 0.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from .constants import kept
 from .random import RandomSource, uniform
 
 
@@ -160,16 +160,16 @@ def dynamic_tree_values(signed: bool, bits: int = 8) -> tuple[float, ...]:
     return tuple(sorted(values))
 
 
-@functools.cache
-def _tables(fmt: CodeFormat, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor(fmt.values, device=device), torch.tensor(fmt.thresholds, device=device)
+_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def tables(fmt: CodeFormat, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, thresholds) of ``fmt`` as fp32 tensors on ``device`` (cached eagerly; constants when traced)."""
-    if torch.compiler.is_compiling():
-        return torch.tensor(fmt.values, device=device), torch.tensor(fmt.thresholds, device=device)
-    return _tables(fmt, torch.device(device))
+    """(values, thresholds) of ``fmt`` as fp32 tensors on ``device`` (kept: ``constants.kept``)."""
+    device = torch.device(device)
+    return tuple(
+        kept(_TABLES, (fmt, device, part), lambda part=part: torch.tensor(getattr(fmt, part), device=device))
+        for part in ("values", "thresholds")
+    )
 
 
 def code_indices(

@@ -26,6 +26,7 @@ import torch
 
 from low_bits_training.upstream import unset_fake_temporarily
 
+from .constants import kept
 from .random import derive_key, random_bits
 from .rounding import round_to
 
@@ -155,13 +156,9 @@ _SIGN_TENSORS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 def sign_tensor(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``signs`` as an fp32 tensor on ``device``, made once per (signs, device) and kept: a ``torch.tensor``
     per call would copy host-to-device at every cast, which a CUDA graph capture refuses (the first call,
-    the capture's warm-up step, makes it). While torch.compile traces, a constant of the graph instead."""
-    if torch.compiler.is_compiling():
-        return torch.tensor(signs, dtype=torch.float32, device=device)
+    the capture's warm-up step, makes it). Traced or under a fake mode, made per call (``constants.kept``)."""
     key = (signs, torch.device(device))
-    if key not in _SIGN_TENSORS:
-        _SIGN_TENSORS[key] = torch.tensor(signs, dtype=torch.float32, device=device)
-    return _SIGN_TENSORS[key]
+    return kept(_SIGN_TENSORS, key, lambda: torch.tensor(signs, dtype=torch.float32, device=device))
 
 
 def rht_reference(x: torch.Tensor, signs: tuple[int, ...], axis: int = -1) -> torch.Tensor:

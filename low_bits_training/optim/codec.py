@@ -19,7 +19,6 @@ codes of values already on the grid (``grid_codes``) and the bf16 cast.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from low_bits_training.formats import (
     round_to,
 )
 from low_bits_training.formats.codebook import code_indices
+from low_bits_training.formats.constants import kept
 from low_bits_training.formats.native import native_fp8_dtype
 from low_bits_training.formats.rounding import nearest_thresholds, round_signed_, threshold_format
 from low_bits_training.formats.table import CodeFormat, FloatFormat, Format, IntFormat
@@ -57,11 +57,16 @@ def read_scales(stored: torch.Tensor, scale_format: str) -> torch.Tensor:
     return stored.float() if scale_format in _NATIVE_DTYPES else decode_codes(stored, scale_format)
 
 
-@functools.cache
+_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
 def _lut(fmt: str, device: torch.device) -> torch.Tensor:
-    """fp32 value of every code of an (<= 8-bit) format: eager decoding becomes one gather."""
+    """fp32 value of every code of an (<= 8-bit) format: eager decoding becomes one gather (kept:
+    ``formats.constants.kept``)."""
     f = get_format(fmt)
-    return decode(torch.arange(2**f.bits, dtype=torch.uint8, device=device), f)
+    return kept(
+        _LUTS, (fmt, device), lambda: decode(torch.arange(2**f.bits, dtype=torch.uint8, device=device), f)
+    )
 
 
 def _small_float(fmt: Format) -> bool:

@@ -211,6 +211,12 @@ UPSTREAM: dict[str, Upstream] = {
         "the backend torchtitan's apply_compile hands to torch.compile: the planner swaps in its own for the "
         "build (torchtitan otherwise refuses any backend but inductor's and aot_eager for FlexAttention models)",
     ),
+    "inductor_compile_threads": Upstream(
+        "torch._inductor.config:_config",
+        0,
+        "",  # a setting: tests/titan/platform/test_compat.py checks the key and what it does
+        "how many threads inductor compiles with; 1 compiles in the calling process (the planner's forked child)",
+    ),
     "inductor_partition": Upstream(
         "torch._dynamo.backends.debugging:aot_eager_decomp_partition",
         448,
@@ -414,6 +420,18 @@ def inductor_as_eager() -> tuple[str, ...]:
     for name in here:
         setattr(inductor, name, True)
     return tuple(name for name in INDUCTOR_AS_EAGER if name not in here)
+
+
+def compile_in_this_process() -> None:
+    """Inductor compiles in this process from here on, no worker pool (``compile_threads = 1``; process-wide).
+
+    For a forked child (the planner's, ``titan/runtime/peak_fit.in_child``): a parent that compiled already
+    holds inductor's pool (``AsyncCompile.pool``, made once), whose threads a fork does not copy; the child's
+    first compile would wait on them for ever.
+    """
+    import torch._inductor.config as inductor
+
+    inductor.compile_threads = 1
 
 
 # --- torchao.float8._inductor_patch ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from low_bits_training.config.saved import SavedRule
 from low_bits_training.errors import ConfigError
+from low_bits_training.titan.platform.compat import compile_in_this_process
 from low_bits_training.titan.platform.cpu import needs_cpu_adapters, repoint_at_cpu
 from low_bits_training.titan.runtime.optim import check_in_backward, container_config, in_backward_groups
 from low_bits_training.titan.runtime.peak import NotPlanned, PeakPlan, plan_peak
@@ -209,6 +210,7 @@ CHILD_SECONDS = 600
 
 def _child(conn, fn, args) -> None:
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork; fake tensors need no threads
+    compile_in_this_process()  # nor inductor's compile pool (the optimizer's workspace is measured compiled)
     if not needs_cpu_adapters():  # a GPU node: the plan's meshes and fake tensors are the CPU's
         repoint_at_cpu()
     try:

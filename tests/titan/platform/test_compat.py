@@ -116,3 +116,13 @@ def test_inductor_as_eager_names_inductors_own_switches():
     with inductor.patch(dict.fromkeys(compat.INDUCTOR_AS_EAGER, False)):
         assert compat.inductor_as_eager() == ()  # torch 2.14.1 has all three
         assert all(getattr(inductor, name) is True for name in compat.INDUCTOR_AS_EAGER)
+
+
+def test_compile_in_this_process_sets_inductors_own_thread_count():
+    import torch._inductor.config as inductor
+
+    assert compat.UPSTREAM["inductor_compile_threads"].target == "torch._inductor.config:_config"
+    assert "compile_threads" in inductor._config
+    with inductor.patch(compile_threads=2):
+        compat.compile_in_this_process()
+        assert inductor.compile_threads == 1
