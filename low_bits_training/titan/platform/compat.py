@@ -179,6 +179,13 @@ UPSTREAM: dict[str, Upstream] = {
         "357f373e1ee194f7",
         "what an op raises that has no fake implementation",
     ),
+    "forget_shardings": Upstream(
+        "torch.distributed.tensor.debug:_clear_sharding_prop_cache",
+        50,
+        "7a60c54245289ac9",
+        "DTensor's sharding-propagation caches (Python and C++), keyed by mesh equality: the planner empties them "
+        "around each plan, whose meshes equal an earlier plan's of the same size without being the same objects",
+    ),
     "fake_process_group": Upstream(
         "torch.testing._internal.distributed.fake_pg:_create_fake_pg",
         14,
@@ -516,6 +523,19 @@ def fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed import fake_pg  # registers the "fake" backend
 
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+
+
+def forget_shardings() -> None:
+    """Empty DTensor's sharding-propagation caches, Python's and the C++ fast path's (``forget_shardings``).
+
+    Their keys compare meshes by value. Two plans of one size in one process build equal meshes that are not the
+    same objects; a cached result of the first plan hands its mesh to the second, and FSDP2 refuses a parameter
+    whose mesh is not the very one passed to ``fully_shard`` ("Expected param's DTensor mesh to be the same
+    mesh passed to fully_shard, but got different mesh objects").
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def fake_tensor_mode() -> Any:

@@ -38,6 +38,7 @@ from low_bits_training.titan.platform.compat import (
     fake_process_group,
     fake_refusals,
     fake_tensor_mode,
+    forget_shardings,
     forward_backward_body,
     titan_compile_backend,
 )
@@ -114,11 +115,13 @@ def _check_plannable(config: Any) -> None:
 
 @contextlib.contextmanager
 def _fake_group(world_size: int):
+    forget_shardings()  # no DTensor result cached on an earlier plan's (equal) meshes, before or after
     fake_process_group(world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_shardings()
 
 
 def _stand_in(
