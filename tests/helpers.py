@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug_model.toml"
@@ -136,3 +137,14 @@ def train(
     if check and p.returncode != 0:
         raise AssertionError(f"training failed ({p.returncode}):\n{run.log[-6000:]}")
     return run
+
+
+class Scaled(torch.nn.Module):
+    """``x * k``: compiled once per ``k`` (dynamo guards on the Python int, as on a QuantLinear's plan)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k

@@ -12,7 +12,7 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, Scaled
 from low_bits_training.formats import FORMATS
 from low_bits_training.nn import hardware
 from low_bits_training.nn.recipes import RECIPES
@@ -201,17 +201,6 @@ def test_mxfp8_is_a_skip_on_a_simulated_h100(monkeypatch):
     )
 
 
-class _Scaled(torch.nn.Module):
-    """A variant per ``k``: dynamo guards on the Python int, as on a QuantLinear's plan."""
-
-    def __init__(self, k: int):
-        super().__init__()
-        self.k = k
-
-    def forward(self, x):
-        return x * self.k
-
-
 def test_compile_variants_compiles_past_the_recompile_limit(monkeypatch):
     # The config module's own patch, not monkeypatch: pytest 9.2's undo deletes a setting it cannot find in
     # the module's __dict__, hiding it from every later compile in the process (CI of stop 34).
@@ -231,7 +220,7 @@ def _compile_twelve_variants(monkeypatch):
         graphs.append(gm)
         return gm.forward
 
-    fns = compiling.compile_variants([_Scaled(k) for k in range(12)], backend=counting)
+    fns = compiling.compile_variants([Scaled(k) for k in range(12)], backend=counting)
     x = torch.ones(3)
     assert [f(x)[0].item() for f in fns] == list(range(12))
     assert len(graphs) == 12  # each variant compiled; past 8 dynamo would have run the rest eagerly

@@ -35,21 +35,12 @@ def test_a_forked_planner_compiles_after_its_parent_compiled(monkeypatch, tmp_pa
     assert got == pytest.approx((x * c_child + 0.5).sin().tolist(), abs=1e-6)
 
 
-class _Scaled(torch.nn.Module):
-    def __init__(self, k: int):
-        super().__init__()
-        self.k = k
-
-    def forward(self, x):
-        return x * self.k
-
-
 def test_a_second_plan_of_one_size_gets_its_own_meshes(monkeypatch, tmp_path, capsys):
     """CI of f56f8fe: after a compile and an autograd step (here gpu_check's, as the test order had them), a
     second 8-rank plan in one process was "not planned: ... Expected param's DTensor mesh to be the same mesh
     passed to fully_shard": DTensor's sharding-propagation cache, keyed by mesh equality, handed it the first
     plan's mesh. The planner empties those caches around each plan (``compat.forget_shardings``)."""
-    from helpers import REPO
+    from helpers import REPO, Scaled
     from low_bits_training.cli import speed
     from low_bits_training.speed.gpu_check import block, compiling, runner
     from low_bits_training.titan.launch import memory
@@ -61,19 +52,13 @@ def test_a_second_plan_of_one_size_gets_its_own_meshes(monkeypatch, tmp_path, ca
     monkeypatch.setattr(compiling, "_VARIANTS", [0])
     with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
         torch._dynamo.reset()
-        for f in compiling.compile_variants([_Scaled(k) for k in range(3)], backend=lambda gm, _: gm.forward):
+        for f in compiling.compile_variants([Scaled(k) for k in range(3)], backend=lambda gm, _: gm.forward):
             f(torch.ones(3))
         torch._dynamo.reset()
     shape = block.BlockShape(dim=128, n_heads=4, n_kv_heads=2, ffn=256, tokens=64)
     block.measure(runner.Context("cpu", REPO, float("inf")), ("bf16",), shape, ("eager",), repeats=1, iters=1)
-    base = [
-        "--config-file",
-        "train_configs/debug_model.toml",
-        "--gpu",
-        "H100",
-        "--dump_folder",
-        str(tmp_path),
-    ]
+    config = ["--config-file", "train_configs/debug_model.toml"]
+    base = [*config, "--gpu", "H100", "--dump_folder", str(tmp_path)]
     lines = []
     for extra in (["--recipe", "mxfp8"], ["--dp", "1"], ["--dp", "8"]):
         assert speed.main([*base, *extra]) == 0
