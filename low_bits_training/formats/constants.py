@@ -17,10 +17,10 @@ import torch
 
 def kept(cache: dict, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``cache[key]``, made by ``make()`` on first use; a traced or fake result is returned but not kept."""
+    if torch.compiler.is_compiling():  # a constant of the graph, never the kept tensor (as before `kept`)
+        return make()
     if key in cache:
         return cache[key]
-    if torch.compiler.is_compiling():  # a constant of the graph
-        return make()
     t = make()
     if type(t) is torch.Tensor:  # not a FakeTensor, FunctionalTensor or other subclass
         cache[key] = t
