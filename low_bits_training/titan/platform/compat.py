@@ -9,6 +9,7 @@ again instead of breaking at run time (the lines are also named in each shim's d
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib
@@ -230,6 +231,24 @@ UPSTREAM: dict[str, Upstream] = {
         "e96804c2681a9ad5",
         "torch's own recipe for inductor's forward / backward split without inductor (decompositions, min-cut "
         "partitioner for compiler 'inductor', effect tokens unlifted), which partitioned_backend follows",
+    ),
+    "inductor_code": Upstream(
+        "torch._inductor.compile_fx:compile_fx_inner",
+        857,
+        "117ce5e08c3a3582",
+        "inductor's compile of one partitioned graph: the planner reads the buffers its generated code allocates",
+    ),
+    "inductor_code_text": Upstream(
+        "torch._inductor.output_code:CompiledFxGraph",
+        515,
+        "811aa4c7ba3110b0",
+        "what inductor's compile returns: its ``source_code`` is the generated Python wrapper",
+    ),
+    "no_dispatch_modes": Upstream(
+        "torch.utils._python_dispatch:_disable_current_modes",
+        390,
+        "bdb1a45e8729c18d",
+        "inductor compiles with none of the planner's modes (its fake mode, its count) on the stack",
     ),
     **RECORDS,  # the private torch names of the floors below titan (low_bits_training/upstream.py)
 }
@@ -560,10 +579,11 @@ def forward_backward_body(trainer: Any, *args: Any) -> Any:
     return Trainer._forward_backward_body(trainer, *args)
 
 
-def partitioned_backend(run: Callable[[Any], Callable[[list], Any]]) -> Callable:
+def partitioned_backend(run: Callable[[Any, list, bool], Callable[[list], Any]]) -> Callable:
     """A dynamo backend that splits a graph into forward and backward as inductor does, and runs each through
-    ``run(graph_module)`` instead of inductor's code: ``run`` returns a function of the list of the graph's
-    inputs, which it may empty as it goes (boxed, as inductor's code frees the saved activations it has read).
+    ``run(graph_module, example_inputs, is_backward)`` instead of inductor's code: ``run`` returns a function of
+    the list of the graph's inputs, which it may empty as it goes (boxed, as inductor's code frees the saved
+    activations it has read).
 
     Upstream: ``torch._dynamo.backends.debugging.aot_eager_decomp_partition`` (line 448) is this recipe with a
     compiler that runs the graph as it is: ``aot_autograd`` (backends/common.py line 164) with inductor's
@@ -575,21 +595,40 @@ def partitioned_backend(run: Callable[[Any], Callable[[list], Any]]) -> Callable
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import select_decomp_table
 
-    def boxed(gm: Any, example_inputs: list) -> Callable[[list], Any]:
-        fn = run(gm)
+    def boxed(is_backward: bool, gm: Any, example_inputs: list) -> Callable[[list], Any]:
+        fn = run(gm, example_inputs, is_backward)
         fn._boxed_call = True
         return fn
 
     def backend(gm: Any, example_inputs: list) -> Any:
         with functorch_config.patch({"unlift_effect_tokens": True}):
             return aot_autograd(
-                fw_compiler=boxed,
-                bw_compiler=boxed,
+                fw_compiler=functools.partial(boxed, False),
+                bw_compiler=functools.partial(boxed, True),
                 decompositions=select_decomp_table,
                 partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
             )(gm, example_inputs)
 
     return backend
+
+
+def inductor_code(gm: Any, example_inputs: list, is_backward: bool) -> str:
+    """The Python code inductor generates for one partitioned graph ``gm`` (forward or backward): its
+    buffers' allocations and frees as the compiled graph makes them. Compiled for the device of
+    ``example_inputs`` (fake tensors are fine) on a copy of ``gm`` (inductor's passes change the graph they
+    get), with no dispatch mode of the caller's on the stack.
+
+    Upstream: ``torch._inductor.compile_fx.compile_fx_inner`` (line 857) returns a ``CompiledFxGraph``
+    (output_code.py line 515) whose ``source_code`` is that code; ``_disable_current_modes``
+    (utils/_python_dispatch.py line 390).
+    """
+    import torch.fx
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    graph = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    with _disable_current_modes():
+        return compile_fx_inner(graph, list(example_inputs), is_backward=is_backward).source_code
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ size under ``FakeTensorMode`` and runs torchtitan's own step code (``Trainer.pos
 microbatches each. ``optim.memory.LiveStorages`` counts every storage from the op that makes it until its last
 reference goes (512-B blocks on CUDA). The first step makes the optimizer states; the second is every later
 step. A compiled run is built with torchtitan's own compile, partitioned as inductor would and run node by
-node (``titan/runtime/peak_compile.py``); under activation checkpointing it is planned as eager. Not planned:
-pipeline parallelism. Not counted: the allocator's cache and fragmentation, CUDA / NCCL workspaces, tensors
+node, each graph holding at least what inductor's own code of it holds (``titan/runtime/peak_compile.py``).
+Not planned: pipeline parallelism. Not counted: the allocator's cache and fragmentation, CUDA / NCCL workspaces, tensors
 outside the step.
 """
 
@@ -195,10 +195,8 @@ def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable
     """
     _check_plannable(config)
     round_to = 512 if device_type == "cuda" else 1
+    # torchtitan's own compile of the run's components, as inductor runs it (titan/runtime/peak_compile.py)
     compiled = copy.deepcopy(config.compile)
-    # torchtitan's own compile of the run's components, partitioned as inductor would; under activation
-    # checkpointing planned as eager (inductor's order of a recompute keeps more alive than the graph's order)
-    compiled.enable = compiled.enable and config.activation_checkpoint is None
     count = peak_compile.CompiledCount(round_to) if compiled.enable else LiveStorages(round_to)
     if compiled.enable:
         compiled.backend = peak_compile.backend(count)

@@ -96,8 +96,10 @@ CASES = {
     "full AC": (1, ("--activation_checkpoint", "full"), None),
     "2 FSDP2 ranks": (2, ("--parallelism.data_parallel_shard_degree", "2"), None),
     "lean preset, 2 ranks (bf16 parameters, 4-bit LowBitAdamW states, e4m3 saved activations)": (2, (), LEAN),
-    # compiled: planned with torchtitan's compile, partitioned as inductor would (titan/runtime/peak_compile.py)
+    # compiled: planned with torchtitan's compile, partitioned as inductor would, each graph holding what
+    # inductor's own code of it holds (titan/runtime/peak_compile.py)
     "compiled, 1 rank": (1, ("--compile.enable",), None),
+    "compiled, selective AC": (1, ("--compile.enable", "--activation_checkpoint", "selective"), None),
     "compiled, full AC": (1, ("--compile.enable", "--activation_checkpoint", "full"), None),
     "compiled, 2 FSDP2 ranks": (
         2,

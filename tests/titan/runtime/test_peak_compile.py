@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from low_bits_training.optim.memory import allocated_peak
+from low_bits_training.titan.platform import compat
 from low_bits_training.titan.runtime import peak_compile
 
 
@@ -73,3 +75,38 @@ def test_fused_away_is_the_pointwise_chain_inside_one_kernel():
     gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
     fused = {n.name for n in peak_compile.fused_away(gm.graph)}
     assert fused == {"exp", "mul"}, fused
+
+
+def _rotary(x, w, freqs):
+    """A block's attention input as the debug model makes it: one matmul for q, k, v, a complex rotation of q and
+    k (inductor calls aten's complex multiply: a fallback op with its own output) and one fused kernel after."""
+    d = x.shape[-1]
+    q, k, v = (x @ w).split(d, -1)
+
+    def rotate(t):
+        return torch.view_as_real(torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2)) * freqs)
+
+    return rotate(q).flatten(-2).to(x.dtype) + v, rotate(k).flatten(-2).to(x.dtype) * v
+
+
+def test_the_code_peak_is_what_the_allocator_holds_running_inductors_code():
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 64, 32, dtype=torch.bfloat16), torch.randn(32, 96, dtype=torch.bfloat16)
+    freqs = torch.polar(torch.ones(64, 16), torch.randn(64, 16))
+    code = []
+
+    def run(gm, example_inputs, is_backward):
+        code.append(compat.inductor_code(gm, example_inputs, is_backward))
+        return lambda args: torch.fx.Interpreter(gm).boxed_run(args)
+
+    with torch.no_grad():
+        torch.compile(_rotary, backend=compat.partitioned_backend(run), fullgraph=True)(x, w, freqs)
+        torch._dynamo.reset()
+        compiled = torch.compile(_rotary, backend="inductor", fullgraph=True)
+        compiled(x, w, freqs)
+        measured = allocated_peak(lambda: compiled(x, w, freqs))
+    (only,) = code
+    planned = peak_compile.code_peak(only)
+    # qkv (bf16), both complex products (fp32 pairs) and both outputs: more than a node-by-node run holds
+    assert planned == measured, (planned, measured)
+    assert planned >= 4 * 64 * 96 * 2 + 2 * 4 * 64 * 32 * 4
