@@ -8,8 +8,8 @@ microbatches each. ``optim.memory.LiveStorages`` counts every storage from the o
 reference goes (512-B blocks on CUDA). The first step makes the optimizer states; the second is every later
 step. A compiled run is built with torchtitan's own compile, partitioned as inductor would and run node by
 node, each graph holding at least what inductor's own code of it holds (``titan/runtime/peak_compile.py``).
-Not planned: pipeline parallelism. Not counted: the allocator's cache and fragmentation, CUDA / NCCL workspaces, tensors
-outside the step.
+Not planned: pipeline parallelism. Not counted: the allocator's cache and fragmentation, CUDA / NCCL
+workspaces, tensors outside the step.
 """
 
 from __future__ import annotations
