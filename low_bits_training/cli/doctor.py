@@ -28,6 +28,7 @@ from low_bits_training.cli.runner import repo_root
 from low_bits_training.cli.speed import check_speed
 from low_bits_training.nn.hardware import Hardware, detect_hardware
 from low_bits_training.run.exits import ExitCode
+from low_bits_training.speed.gpus import GPUS
 from low_bits_training.titan.platform import noise
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
@@ -37,7 +38,9 @@ HARDWARE = {
     "sm89": ((8, 9), "cuda"),
     "sm90": ((9, 0), "cuda"),
     "sm100": ((10, 0), "cuda"),
+    **{name.lower(): (spec.capability, "cuda") for name, spec in GPUS.items()},
 }
+"""``--hardware``: an architecture, or a GPU the speed model knows (``h100``: SM90, its speed row that GPU's)."""
 
 
 def default_config_file(env: Mapping[str, str]) -> str:
@@ -55,7 +58,8 @@ def hardware(name: str | None) -> Hardware:
     if name is None:
         return here
     capability, kind = HARDWARE[name]
-    return Hardware(kind, capability, here.torchao)
+    named = next((key for key in GPUS if key.lower() == name), None)
+    return Hardware(kind, capability, here.torchao, gpu=named)
 
 
 def run_checks(
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> ExitCode:
         "--hardware",
         choices=sorted(HARDWARE),
         default=None,
-        help="judge the plan as on this GPU (default: this machine)",
+        help="judge the plan as on this GPU: an architecture (sm90) or a GPU the speed model knows (h100) "
+        "(default: this machine)",
     )
     parser.add_argument(
         "--fit",

@@ -67,13 +67,15 @@ def planned_peak(config, ranks: int) -> str:
 
 
 def spec_for(hw) -> GpuSpec | None:
-    """The speed model's GPU for ``hw`` (``nn.hardware.Hardware``): this machine's GPU when it has
-    that capability, else the part that defines it (SM90: H100, SM100: B200); None on a CPU or another
-    capability."""
+    """The speed model's GPU for ``hw`` (``nn.hardware.Hardware``): the GPU it names (``lbt-doctor --hardware
+    h200``), else this machine's GPU when it has that capability, else the part that defines it (SM90: H100,
+    SM100: B200); None on a CPU or another capability."""
     import torch
 
     if hw.kind != "cuda":
         return None
+    if hw.gpu is not None:
+        return GPUS[hw.gpu]
     if torch.cuda.is_available() and tuple(torch.cuda.get_device_capability(0)) == hw.capability:
         here = gpu_for_device(torch.cuda.get_device_name(0))
         if here is not None:

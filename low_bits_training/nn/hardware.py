@@ -26,6 +26,9 @@ class Hardware:
     assumes it; ``detect_hardware`` checks it."""
     triton: bool = True
     """Triton can compile for this device (torchao's Triton casts; torch's probe, ``upstream.has_triton``)."""
+    gpu: str | None = None
+    """The GPU this names, as the speed model knows it (``speed.gpus.GPUS``: "H200"), when one was named
+    (``lbt-doctor --hardware h200``); None: the architecture alone (detected, or named as ``sm90``)."""
 
     def has(self, need: tuple[int, int]) -> bool:
         """True on a CUDA device of at least compute capability ``need``."""

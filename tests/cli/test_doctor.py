@@ -12,8 +12,10 @@ import torch
 from helpers import write_toml
 from low_bits_training.cli import checks, config_checks, doctor, resource_checks
 from low_bits_training.cli.checks import Check
+from low_bits_training.cli.speed import spec_for
 from low_bits_training.config import job
 from low_bits_training.run.exits import ExitCode
+from low_bits_training.speed.gpus import GPUS
 from low_bits_training.titan.platform.devices import gpu_count_refusal
 
 SECRET = "doctor-secret-0123456789"
@@ -509,6 +511,24 @@ def test_speed_row_says_what_this_package_runs_on_that_gpu(clean_env):
     assert "speed" not in by_name(
         doctor.run_checks(str(DEBUG), deepseek, {"NGPU": "1"}, hw=doctor.hardware("cpu"))
     )
+
+
+def test_a_named_gpu_is_judged_on_its_architecture_and_priced_as_that_gpu(clean_env):
+    # --hardware h200: the plan resolved as on any SM90 (the same backends row as --hardware sm90), the speed row
+    # priced on that GPU's figures (an architecture alone: on the part that stands for it)
+    deepseek = ["--quantize.recipe", "deepseek_fp8"]
+    rows = {
+        name: by_name(doctor.run_checks(str(DEBUG), deepseek, {"NGPU": "1"}, hw=doctor.hardware(name)))
+        for name in ("sm90", "h100", "h200")
+    }
+    assert rows["h200"]["backends"].detail == rows["sm90"]["backends"].detail
+    assert rows["h100"]["speed"].detail == rows["sm90"]["speed"].detail
+    assert rows["h200"]["speed"].detail.startswith("this package on H200: ")
+    assert [spec_for(doctor.hardware(n)) for n in ("h200-nvl", "sm90", "b300")] == [
+        GPUS["H200-NVL"],
+        GPUS["H100"],
+        GPUS["B300"],
+    ]
 
 
 def test_fit_ranks_the_changes_that_fit_first(clean_env, capsys):
