@@ -107,6 +107,8 @@ CASES = {
         None,
     ),
     "compiled lean preset, 2 ranks": (2, ("--compile.enable",), LEAN),
+    # the 8B one-GPU preset's twin: compiled, full AC, e4m3 saves, 4-bit states updated in the backward
+    "one-GPU twin": (1, (), REPO / "train_configs" / "debug_one_gpu_twin.toml"),
 }
 
 
