@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import get_spmd_context
 from torchtitan.tools.utils import set_default_dtype
 from torchtitan.trainer import Trainer
 
@@ -128,10 +129,13 @@ def _stand_in(
     config: Any, model_config: Any, model: torch.nn.Module, dims: ParallelDims, loss_fn
 ) -> SimpleNamespace:
     """What torchtitan's step methods read from a trainer."""
+    typecheck = config.parallelism.spmd_backend == "spmd_types"
     return SimpleNamespace(
         model_parts=[model],
         loss_fn=loss_fn,
-        train_context=contextlib.nullcontext,
+        train_context=get_spmd_context(  # as torchtitan's Trainer sets it up (TP's collectives follow it)
+            parallel_dims=dims, spmd_typechecking=typecheck and config.debug.spmd_typechecking
+        ),
         model_config=model_config,
         parallel_dims=dims,
         config=config,

@@ -96,6 +96,8 @@ CASES = {
     "full AC": (1, ("--activation_checkpoint", "full"), None),
     "2 FSDP2 ranks": (2, ("--parallelism.data_parallel_shard_degree", "2"), None),
     "lean preset, 2 ranks (bf16 parameters, 4-bit LowBitAdamW states, e4m3 saved activations)": (2, (), LEAN),
+    # tensor parallelism: planned under torchtitan's own train context, as its collectives run (17% over without)
+    "TP, 2 ranks": (2, (), REPO / "train_configs" / "debug_model_tp2.toml"),
     # compiled: planned with torchtitan's compile, partitioned as inductor would, each graph holding what
     # inductor's own code of it holds (titan/runtime/peak_compile.py)
     "compiled, 1 rank": (1, ("--compile.enable",), None),
