@@ -15,6 +15,7 @@ import gc
 import itertools
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -184,21 +185,21 @@ class LiveStorages(TorchDispatchMode):
     Each storage counts ``nbytes`` rounded up to ``round_to`` bytes (512 on CUDA, as its caching allocator
     hands out blocks; 1 on the CPU). A storage is counted once however many tensors view it; tensor
     subclasses by their inner tensors. ``UntypedStorage.resize_`` (FSDP2 frees its all-gather buffers this
-    way) is followed while the count runs.
-    """
+    way) is followed while the count runs. ``staging(func, args)``, when set, gives the bytes an op makes and
+    frees inside itself beyond its outputs (gloo's collectives stage a whole tensor: ``cpu.gloo_staging``)."""
 
     def __init__(self, round_to: int = 1):
         super().__init__()
         self.round_to = round_to
         self.phase = "other"
         """The part a storage made now belongs to (set by the caller: forward and backward, optimizer)."""
-        self.now = 0
-        self.peak = 0
+        self.now = self.peak = 0
         self.peak_phase = self.phase
         self._live: dict[int, list] = {}  # id -> [bytes, part]
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._at_peak: list[list] = []
         self._resize = None
+        self.staging: Callable[[Any, tuple], int] | None = None  # bytes an op makes and frees inside itself
 
     def _bytes(self, n: int) -> int:
         return -(-n // self.round_to) * self.round_to
@@ -271,6 +272,8 @@ class LiveStorages(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.staging is not None and (n := self.staging(func, args)):
+            self.transient(n, self.phase)
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
             self.add(t)

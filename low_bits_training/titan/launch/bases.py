@@ -20,7 +20,7 @@ from torchtitan.trainer import Trainer
 
 from low_bits_training.titan.platform.compat import llama3_builders, qwen3_builders
 
-__all__ = ["llama3_1b", "llama3_narrow", "llama3_tiny", "qwen3_moe_tiny"]
+__all__ = ["llama3_100m", "llama3_1b", "llama3_narrow", "llama3_tiny", "qwen3_moe_tiny"]
 """Every base of ours, by the name ``[job] base`` gives after ``low_bits_training.titan.launch.bases:``."""
 
 
@@ -43,20 +43,34 @@ def llama3_tiny() -> Trainer.Config:
 def llama3_narrow() -> Trainer.Config:
     """The debug model at width 128 (8 heads of 16, FFN 512) with 2 blocks: about a third of ``llama3_tiny``'s
     cost per token, for CPU studies that need hundreds of steps and several seeds (benchmarks/nvfp4_ablation.py).
+    """
+    config = llama3_debugmodel()
+    _resize(config, n_layers=2, dim=128, heads=8)
+    return config
 
-    Built with the pinned torchtitan 0.3.0's own llama3 block builder (``compat.llama3_builders``, the one its
-    flavors use), so inits, RoPE (head dim 16, as the debug model) and attention are the debug model's.
+
+def llama3_100m() -> Trainer.Config:
+    """A Llama 3 of about 88M parameters (12 blocks of width 768, 12 heads of 64, FFN 2048, the debug model's
+    2048-token vocabulary): the ~100M shape the memory planner is held to beside the debug model
+    (``tests/titan/runtime/test_peak.py``)."""
+    config = llama3_debugmodel()
+    _resize(config, n_layers=12, dim=768, heads=12)
+    return config
+
+
+def _resize(config: Trainer.Config, n_layers: int, dim: int, heads: int) -> None:
+    """The debug model of ``config`` rebuilt with ``n_layers`` blocks of width ``dim`` (``heads`` heads, FFN as
+    Llama 3 sizes it) by the pinned torchtitan 0.3.0's own llama3 block builder (``compat.llama3_builders``, the
+    one its flavors use): inits, RoPE (the debug model's, at the head width) and attention are the debug model's.
     """
     import dataclasses
 
-    config = llama3_debugmodel()
     model = config.model_spec.model
-    dim, heads = 128, 8
-    attention = model.layers[0].attention
+    rope = dataclasses.replace(model.layers[0].attention.rope, dim=dim // heads)
     build_layers, output_init = llama3_builders()
     layers = build_layers(
-        n_layers=2, dim=dim, n_heads=heads, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
-        rope=attention.rope, attn_backend="flex",
+        n_layers=n_layers, dim=dim, n_heads=heads, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+        rope=rope, attn_backend="flex",
     )  # fmt: skip
     config.model_spec.model = dataclasses.replace(
         model,
@@ -66,7 +80,6 @@ def llama3_narrow() -> Trainer.Config:
         lm_head=dataclasses.replace(model.lm_head, in_features=dim, param_init=output_init(dim)),
         layers=layers,
     )
-    return config
 
 
 def _tiny_moe_model(n_layers: int, dim: int, experts: int, top_k: int, hidden: int, vocab: int):

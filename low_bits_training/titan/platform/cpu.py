@@ -30,6 +30,7 @@ import resource
 import sys
 import types
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -255,3 +256,18 @@ def adapt_trainer_config(config) -> None:
     build_masks_eagerly()
     if not getattr(spec.parallelize_fn, "__lbt_sum_reductions__", False):
         spec.parallelize_fn = with_sum_reductions(spec.parallelize_fn)
+
+
+STAGED = {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"}
+"""The collectives FSDP2 calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``) that gloo runs through a
+buffer of the whole tensor (the gathered output, the unreduced input) where NCCL works in place."""
+
+
+def gloo_staging(func: Any, args: tuple) -> int:
+    """Bytes gloo allocates and frees inside ``func(*args)`` on CPU ranks: the largest tensor of a ``STAGED``
+    collective (its whole gathered or unreduced tensor), 0 for any other op. The memory planner counts it where
+    the ranks run on the CPU (``titan/runtime/peak.py``); ``tests/titan/platform/test_gloo_staging.py`` holds
+    it to the allocator's peak of both collectives on 2 gloo ranks."""
+    if getattr(func, "name", None) is None or func.name() not in STAGED:
+        return 0
+    return max((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), default=0)

@@ -43,6 +43,7 @@ from low_bits_training.titan.platform.compat import (
     forward_backward_body,
     titan_compile_backend,
 )
+from low_bits_training.titan.platform.cpu import gloo_staging
 from low_bits_training.titan.runtime import peak_compile
 from low_bits_training.titan.runtime.budget import planned
 
@@ -199,9 +200,9 @@ def plan_peak(config: Any, world_size: int, device_type: str, model_of: Callable
     """
     _check_plannable(config)
     round_to = 512 if device_type == "cuda" else 1
-    # torchtitan's own compile of the run's components, as inductor runs it (titan/runtime/peak_compile.py)
-    compiled = copy.deepcopy(config.compile)
+    compiled = copy.deepcopy(config.compile)  # torchtitan's, as inductor runs it: peak_compile.py
     count = peak_compile.CompiledCount(round_to) if compiled.enable else LiveStorages(round_to)
+    count.staging = None if device_type == "cuda" else gloo_staging  # NCCL's collectives stage nothing
     if compiled.enable:
         compiled.backend = peak_compile.backend(count)
         torch._dynamo.reset()  # each plan compiles anew (a fit plans many): never past dynamo's recompile limit

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from helpers import CORPUS, REPO, train
+from helpers import CORPUS, REPO, train, write_toml
 from low_bits_training.config.memory import FREE_FRACTION
 from low_bits_training.optim.memory import HeldBytes, LiveStorages
 from low_bits_training.run.folder import PEAK_JSON
@@ -21,6 +21,8 @@ from low_bits_training.titan.launch.memory import refusal
 from low_bits_training.titan.runtime.peak import PeakPlan
 
 LEAN = REPO / "train_configs" / "debug_lean.toml"
+M100 = object()
+"""The debug preset on the ~100M base (a TOML each test writes)."""
 SHAPE = ("--training.local_batch_size", "4", "--training.seq_len", "256", "--training.steps", "2")
 
 
@@ -111,12 +113,23 @@ CASES = {
     "compiled lean preset, 2 ranks": (2, ("--compile.enable",), LEAN),
     # the 8B one-GPU preset's twin: compiled, full AC, e4m3 saves, 4-bit states updated in the backward
     "one-GPU twin": (1, (), REPO / "train_configs" / "debug_one_gpu_twin.toml"),
+    # the ~100M-parameter shape (titan/launch/bases.py llama3_100m: 88M), the debug model's recipe
+    "100M, 1 rank": (1, (), M100),
+    "100M, 2 FSDP2 ranks, selective AC": (
+        2,
+        ("--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint", "selective"),
+        M100,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_planned_peak_is_within_ten_percent_of_the_allocators(tmp_path, case):
     nproc, args, config = CASES[case]
+    if config is M100:
+        config = write_toml(
+            tmp_path / "100m.toml", job={"base": "low_bits_training.titan.launch.bases:llama3_100m"}
+        )
     run = train(tmp_path, *SHAPE, *args, "--checkpoint.no-enable", nproc=nproc, config=config)
     got = json.loads((run.folder / PEAK_JSON).read_text())
     planned, measured = got["planned"]["later_steps"], got["measured"]["peak"]
