@@ -180,7 +180,7 @@ def test_check_only_plans_for_gpus_elsewhere(monkeypatch, tmp_path, capsys):
     assert launcher.main(_submit_check(tmp_path, check_only=True)) == 0
     (note,) = capsys.readouterr().err.splitlines()  # the planned peak alone (no limit: nothing enforced)
     assert note.startswith(
-        "low-bits-training: memory: 31.17 GiB on rank 0 (first step 23.69, later steps 31.17"
+        "low-bits-training: memory: 31.13 GiB on rank 0 (first step 23.65, later steps 31.13"
     )
     assert launcher.main(_submit_check(tmp_path, check_only=False)) == 2  # to train here: refused
     err = capsys.readouterr().err.strip().splitlines()
