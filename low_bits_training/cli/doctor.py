@@ -28,7 +28,7 @@ from low_bits_training.cli.runner import repo_root
 from low_bits_training.cli.speed import check_speed
 from low_bits_training.nn.hardware import Hardware, detect_hardware
 from low_bits_training.run.exits import ExitCode
-from low_bits_training.speed.gpus import GPUS
+from low_bits_training.speed.gpus import GPUS, gpu
 from low_bits_training.titan.platform import noise
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
@@ -38,9 +38,8 @@ HARDWARE = {
     "sm89": ((8, 9), "cuda"),
     "sm90": ((9, 0), "cuda"),
     "sm100": ((10, 0), "cuda"),
-    **{name.lower(): (spec.capability, "cuda") for name, spec in GPUS.items()},
 }
-"""``--hardware``: an architecture, or a GPU the speed model knows (``h100``: SM90, its speed row that GPU's)."""
+"""``--hardware``'s architectures; it also takes a GPU the speed model knows (``h100``: ``speed.gpus.GPUS``)."""
 
 
 def default_config_file(env: Mapping[str, str]) -> str:
@@ -57,9 +56,10 @@ def hardware(name: str | None) -> Hardware:
     here = detect_hardware()
     if name is None:
         return here
+    if name not in HARDWARE:
+        return gpu(name).hardware(here.torchao)  # its architecture, and its speed row that GPU's
     capability, kind = HARDWARE[name]
-    named = next((key for key in GPUS if key.lower() == name), None)
-    return Hardware(kind, capability, here.torchao, gpu=named)
+    return Hardware(kind, capability, here.torchao)
 
 
 def run_checks(
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> ExitCode:
     parser.add_argument("--recipe", action="append", default=[], help="also judge this recipe (repeatable)")
     parser.add_argument(
         "--hardware",
-        choices=sorted(HARDWARE),
+        choices=sorted([*HARDWARE, *(name.lower() for name in GPUS)]),
         default=None,
         help="judge the plan as on this GPU: an architecture (sm90) or a GPU the speed model knows (h100) "
         "(default: this machine)",

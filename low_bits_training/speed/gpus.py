@@ -63,7 +63,7 @@ class GpuSpec:
 
     def hardware(self, torchao: bool = True) -> Hardware:
         """The ``Hardware`` the precision plan is resolved on for this GPU (backends as on that GPU)."""
-        return Hardware("cuda", self.capability, torchao)
+        return Hardware("cuda", self.capability, torchao, gpu=self.name)
 
 
 def _hopper(name: str, bf16: float, hbm: float, fp32: float, source: str) -> GpuSpec:

@@ -3,7 +3,6 @@ planner where the ranks run on the CPU): held to the allocator's peak of both of
 
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,6 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_gloo_stages_the_whole_tensor_of_fsdp2s_collectives(tmp_path):
     out = tmp_path / "got.json"
-    sys.stdout.flush()
     mp.spawn(_rank, args=(free_port(), str(out)), nprocs=2)
     got = json.loads(out.read_text())
     assert got == {"all-gather": [4 * N, 4 * N], "reduce-scatter": [4 * N, 4 * N], "other op": [0, 0]}, got
